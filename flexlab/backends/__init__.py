@@ -1,0 +1,1 @@
+"""Attention backends behind `flexlab.flex_attention`: reference math, torch's compiled flex, our CuTeDSL kernels."""
