@@ -1,0 +1,134 @@
+"""`flexlab.flex_attention`: torch's FlexAttention signature, validated inputs, a choice of backends."""
+from __future__ import annotations
+
+import numbers
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+from .errors import BackendUnavailableError, FlexlabTypeError, FlexlabValueError
+from .mods import check_mask_mod, check_score_mod
+
+BACKENDS = ("auto", "reference", "torch", "cute")
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, backend):
+    if backend not in BACKENDS:
+        raise FlexlabValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise FlexlabTypeError(f"{name} must be a torch.Tensor of shape (B, H, S, D), got {type(t).__name__}")
+        if t.dim() != 4:
+            raise FlexlabValueError(f"{name} must be 4-D (B, H, S, D), got shape {tuple(t.shape)}")
+        if t.dtype not in _FLOAT_DTYPES:
+            raise FlexlabTypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+        if t.numel() == 0:
+            raise FlexlabValueError(f"{name} is empty (shape {tuple(t.shape)})")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise FlexlabTypeError(f"query, key and value must share a dtype, got {query.dtype}, {key.dtype}, {value.dtype}")
+    if not (query.device == key.device == value.device):
+        raise FlexlabValueError(
+            f"query, key and value must be on one device, got {query.device}, {key.device}, {value.device}")
+    B, Hq, Sq, D = query.shape
+    Bk, Hkv, Skv, Dk = key.shape
+    if key.shape[:3] != value.shape[:3]:
+        raise FlexlabValueError(f"key and value must agree in (B, H, S), got key {tuple(key.shape)} and value "
+                                f"{tuple(value.shape)}")
+    if Bk != B:
+        raise FlexlabValueError(f"query and key must have the same batch size, got {B} and {Bk}")
+    if Dk != D:
+        raise FlexlabValueError(f"query and key must have the same head dim D, got {D} and {Dk}")
+    if Hq != Hkv:
+        if not enable_gqa:
+            raise FlexlabValueError(
+                f"query has {Hq} heads but key/value have {Hkv}; pass enable_gqa=True for grouped-query attention")
+        if Hq % Hkv != 0:
+            raise FlexlabValueError(
+                f"enable_gqa=True needs query heads ({Hq}) to be a multiple of key/value heads ({Hkv})")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)):
+        raise FlexlabTypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    check_score_mod(score_mod)
+    if block_mask is not None:
+        if not isinstance(block_mask, BlockMask):
+            raise FlexlabTypeError(
+                f"block_mask must be a BlockMask (from flexlab.create_block_mask or torch's), got "
+                f"{type(block_mask).__name__}")
+        check_mask_mod(block_mask.mask_mod, "block_mask.mask_mod")
+        if tuple(block_mask.seq_lengths) != (Sq, Skv):
+            raise FlexlabValueError(
+                f"block_mask was built for (Q_LEN, KV_LEN) = {tuple(block_mask.seq_lengths)} but the inputs have "
+                f"({Sq}, {Skv}); build it with create_block_mask(mask_mod, B, H, {Sq}, {Skv})")
+        mb, mh = block_mask.kv_num_blocks.shape[:2]
+        if mb not in (1, B) or mh not in (1, Hq):
+            raise FlexlabValueError(
+                f"block_mask has (B, H) = ({mb}, {mh}); it must be 1 or match the query's ({B}, {Hq})")
+        if block_mask.kv_num_blocks.device != query.device:
+            raise FlexlabValueError(f"block_mask is on {block_mask.kv_num_blocks.device} but query is on "
+                                    f"{query.device}; build it with device={str(query.device)!r} or call .to()")
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _choose_backend(backend, query, key, value, score_mod, block_mask, scale, enable_gqa) -> str:
+    if backend != "auto":
+        return backend
+    if query.device.type == "cuda" and not _needs_grad(query, key, value):
+        from .backends import cute
+        ok, _reason = cute.is_supported(query, key, value, score_mod, block_mask, scale, enable_gqa)
+        if ok:
+            return "cute"
+    return "torch"
+
+
+def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod=None,
+                   block_mask: BlockMask | None = None, scale: float | None = None, enable_gqa: bool = False,
+                   return_lse: bool = False, *, backend: str = "auto"):
+    r"""FlexAttention with torch's semantics and a choice of backends.
+
+    Shapes: ``query (B, Hq, Sq, D)``, ``key (B, Hkv, Skv, D)``, ``value (B, Hkv, Skv, Dv)``; output
+    ``(B, Hq, Sq, Dv)``; LSE ``(B, Hq, Sq)`` in natural log.
+
+    Mods follow torch's conventions::
+
+        def score_mod(score, b, h, q_idx, kv_idx):   # score is already scaled
+            return score + bias[h, q_idx - kv_idx]
+        def mask_mod(b, h, q_idx, kv_idx):           # True keeps the pair; used via create_block_mask
+            return q_idx >= kv_idx
+
+    Args:
+        score_mod: modifies each scaled score; captured tensors may require grad.
+        block_mask: a ``BlockMask`` from ``flexlab.create_block_mask`` or torch's; its mask_mod masks pairs.
+        scale: score scale, default ``1/sqrt(D)``.
+        enable_gqa: allow ``Hq`` to be a multiple of ``Hkv`` (grouped-query attention).
+        return_lse: also return the log-sum-exp of each row.
+        backend: ``"reference"`` (dense fp32/fp64 math, any device), ``"torch"`` (torch's compiled
+            flex_attention on CUDA, its own path on CPU), ``"cute"`` (flexlab's CuTeDSL kernels, Hopper), or
+            ``"auto"`` (cute where it supports the call, else torch).
+
+    Fully masked rows give output 0 and LSE -inf.
+    """
+    _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, backend)
+    chosen = _choose_backend(backend, query, key, value, score_mod, block_mask, scale, enable_gqa)
+    if chosen == "reference":
+        from .backends.reference import reference_attention
+        compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+        out, lse = reference_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, compute)
+        out = out.to(query.dtype)
+        lse = lse.to(torch.float64 if query.dtype == torch.float64 else torch.float32)
+    elif chosen == "torch":
+        from .backends.torch_flex import torch_flex_attention
+        out, lse = torch_flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa)
+    else:
+        from .backends import cute
+        if _needs_grad(query, key, value):
+            raise BackendUnavailableError(
+                "backend='cute' has no backward kernel yet; use backend='torch' or 'reference' for training, or "
+                "run under torch.no_grad()")
+        ok, reason = cute.is_supported(query, key, value, score_mod, block_mask, scale, enable_gqa)
+        if not ok:
+            raise BackendUnavailableError(f"backend='cute' cannot run this call: {reason}")
+        out, lse = cute.flex_attention_forward(query, key, value, score_mod, block_mask, scale, enable_gqa)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,86 @@
+"""Static configuration of the Hopper forward kernel, and the one check that a configuration fits the chip.
+
+Everything in `FwdConfig` is baked into the compiled kernel, so it is part of the compile-cache key. The tile shapes
+per head dim (`default_config`) were measured on an H200 (see `benchmarks/results/`), not copied from elsewhere.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SMEM_BYTES_SM90 = 227 * 1024  # dynamic shared memory one CTA may use on H100/H200
+REGISTERS_PER_SM = 64 * 1024
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """One forward-kernel shape: tiles, pipeline depth, and the scheduling tricks that are switched on.
+
+    `tile_m` rows of Q per CTA are split over `tile_m // 64` consumer warpgroups (one wgmma M=64 slab each); one more
+    warpgroup is the TMA producer.
+    """
+
+    head_dim: int
+    tile_m: int = 128
+    tile_n: int = 128
+    num_stages: int = 2
+    intra_wg_overlap: bool = True  # softmax of block j overlaps the PV GEMM of block j-1
+    pingpong: bool = True  # consumer warpgroups take turns on the tensor cores
+    dtype_bytes: int = 2
+
+    @property
+    def num_consumer_wgs(self) -> int:
+        return self.tile_m // 64
+
+    @property
+    def num_threads(self) -> int:
+        return 128 * (self.num_consumer_wgs + 1)
+
+    @property
+    def register_split(self) -> tuple[int, int]:
+        """(producer, consumer) registers per thread after `setmaxnreg`; must sum to at most 64K per CTA."""
+        return {1: (56, 256), 2: (24, 240), 3: (32, 160)}[self.num_consumer_wgs]
+
+    def smem_bytes(self) -> int:
+        q = self.tile_m * self.head_dim * self.dtype_bytes  # also holds O in the epilogue
+        kv = 2 * self.num_stages * self.tile_n * self.head_dim * self.dtype_bytes
+        barriers = 8 * (2 + 4 * self.num_stages)
+        return q + kv + barriers + 3 * 1024  # 1 KiB alignment of each buffer
+
+    def feasibility_error(self) -> str | None:
+        """Why this configuration cannot run on sm90, or None when it can."""
+        if self.head_dim not in SUPPORTED_HEAD_DIMS:
+            return f"head_dim={self.head_dim} is not one of {SUPPORTED_HEAD_DIMS}"
+        if self.tile_m not in (64, 128, 192):
+            return f"tile_m={self.tile_m} must be 64, 128 or 192 (one to three 64-row consumer warpgroups)"
+        if self.tile_n % 16 or not 16 <= self.tile_n <= 256:
+            return f"tile_n={self.tile_n} must be a multiple of 16 in [16, 256] (wgmma N and K granularity)"
+        if self.num_stages < 2:
+            return f"num_stages={self.num_stages}: K/V need at least 2 stages to overlap loads with math"
+        if self.pingpong and self.num_consumer_wgs != 2:
+            return "pingpong scheduling alternates exactly two consumer warpgroups"
+        if self.smem_bytes() > SMEM_BYTES_SM90:
+            return f"needs {self.smem_bytes()} bytes of shared memory, sm90 has {SMEM_BYTES_SM90}"
+        producer, consumer = self.register_split
+        if 128 * producer + 128 * self.num_consumer_wgs * consumer > REGISTERS_PER_SM:
+            return "register split exceeds 64K registers per CTA"
+        # Per consumer thread: S accumulator (tile_n/2 fp32) + O accumulator (head_dim/2 fp32) + P (tile_n/4).
+        live = self.tile_n // 2 + self.head_dim // 2 + self.tile_n // 4
+        if live + 40 > consumer:
+            return f"about {live + 40} live registers per consumer thread, only {consumer} after setmaxnreg"
+        return None
+
+    def validate(self) -> FwdConfig:
+        err = self.feasibility_error()
+        if err:
+            raise ValueError(f"infeasible FwdConfig {self}: {err}")
+        return self
+
+
+def default_config(head_dim: int) -> FwdConfig:
+    """Tile shape per head dim."""
+    if head_dim <= 64:
+        return FwdConfig(head_dim=64, tile_m=128, tile_n=128, num_stages=2)
+    if head_dim <= 128:
+        return FwdConfig(head_dim=128, tile_m=128, tile_n=128, num_stages=2)
+    return FwdConfig(head_dim=256, tile_m=128, tile_n=64, num_stages=2)

@@ -1,0 +1,105 @@
+"""Build torch `BlockMask`s tile by tile, never materializing the dense Q_LEN × KV_LEN mask.
+
+torch's `create_block_mask` evaluates the mask_mod on the whole (B, H, Q_LEN, KV_LEN) grid, which is 16 GiB of bools
+at 128k tokens. Here the grid is walked in chunks of whole blocks: each chunk is evaluated, reduced to per-block
+counts, and dropped. Peak memory is O(B·H·n_q_blocks·n_kv_blocks + one chunk), and the result is the same BlockMask
+torch would build (same counts, same index order), so it can be passed to any consumer of torch's BlockMask.
+"""
+from __future__ import annotations
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+from ..errors import FlexlabValueError
+from ..mods import MaskMod, check_mask_mod, evaluate_mask_mod, index_grid
+
+# Elements of the index grid evaluated at once. A mask_mod's temporaries are int64 over the chunk, so this keeps a
+# chunk's working set to a few tens of MiB whatever the sequence length.
+DEFAULT_CHUNK_ELEMENTS = 1 << 22
+
+
+def _check_lengths(B, H, Q_LEN, KV_LEN, block_sizes):
+    for name, val in (("B", B), ("H", H), ("Q_LEN", Q_LEN), ("KV_LEN", KV_LEN)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            raise FlexlabValueError(f"create_block_mask: {name} must be a positive int, got {val!r}")
+    for name, val in zip(("Q block size", "KV block size"), block_sizes):
+        if not isinstance(val, int) or val < 1:
+            raise FlexlabValueError(f"create_block_mask: BLOCK_SIZE ({name}) must be a positive int, got {val!r}")
+
+
+def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, H, nQ, nKV) 0/1 → (count per row, column indices with the set ones first, in ascending order)."""
+    blocks = blocks.to(torch.int32)
+    counts = blocks.sum(dim=-1, dtype=torch.int32)
+    indices = torch.argsort(blocks, dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts.contiguous(), indices.contiguous()
+
+
+def block_counts(mask_mod: MaskMod, B: int, H: int, Q_LEN: int, KV_LEN: int, q_block: int, kv_block: int,
+                 device="cpu", chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> torch.Tensor:
+    """Number of kept (q, kv) pairs in every block: int32 (B, H, ceil(Q_LEN/q_block), ceil(KV_LEN/kv_block))."""
+    n_q, n_kv = -(-Q_LEN // q_block), -(-KV_LEN // kv_block)
+    counts = torch.zeros(B, H, n_q, n_kv, dtype=torch.int32, device=device)
+    b_idx, h_idx, q_all, kv_all = index_grid(B, H, Q_LEN, KV_LEN, device)
+    # Chunk in whole blocks: as many kv blocks as fit (for one q block over all b, h), then as many q blocks.
+    per_q_block = B * H * q_block
+    kv_blocks_per_chunk = max(1, min(n_kv, chunk_elements // max(1, per_q_block * kv_block)))
+    q_blocks_per_chunk = max(1, min(n_q, chunk_elements // max(1, per_q_block * kv_blocks_per_chunk * kv_block)))
+    # When B*H alone is too large for one block, walk heads in groups too.
+    h_step = H if B * H * q_block * kv_block <= chunk_elements else max(1, chunk_elements // (B * q_block * kv_block))
+    for h0 in range(0, H, h_step):
+        h_sl = slice(h0, min(H, h0 + h_step))
+        for qb0 in range(0, n_q, q_blocks_per_chunk):
+            qb1 = min(n_q, qb0 + q_blocks_per_chunk)
+            q = q_all[qb0 * q_block: min(Q_LEN, qb1 * q_block)]
+            for kb0 in range(0, n_kv, kv_blocks_per_chunk):
+                kb1 = min(n_kv, kb0 + kv_blocks_per_chunk)
+                kv = kv_all[kb0 * kv_block: min(KV_LEN, kb1 * kv_block)]
+                tile = evaluate_mask_mod(mask_mod, b_idx, h_idx[h_sl], q, kv)
+                # Pad the ragged tail with False (as torch does) so the tile reshapes into whole blocks.
+                pad_q, pad_kv = (qb1 - qb0) * q_block - len(q), (kb1 - kb0) * kv_block - len(kv)
+                if pad_q or pad_kv:
+                    tile = torch.nn.functional.pad(tile, (0, pad_kv, 0, pad_q))
+                nb, nh = tile.shape[:2]
+                tile = tile.view(nb, nh, qb1 - qb0, q_block, kb1 - kb0, kv_block)
+                counts[:, h_sl, qb0:qb1, kb0:kb1] = tile.sum(dim=(3, 5), dtype=torch.int32)
+                del tile
+    return counts
+
+
+def create_block_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
+                      device="cpu", BLOCK_SIZE: int | tuple[int, int] = 128, *,
+                      chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> BlockMask:
+    """Drop-in for torch's `create_block_mask`, built chunk by chunk (memory independent of Q_LEN × KV_LEN).
+
+    Args:
+        mask_mod: `mask_mod(b, h, q_idx, kv_idx) -> bool`; True keeps the pair.
+        B, H: batch size and query heads the mask varies over; None (or 1) broadcasts over that dimension.
+        Q_LEN, KV_LEN: sequence lengths.
+        device: where the block tensors live (and where the mask_mod is evaluated).
+        BLOCK_SIZE: block size, or (q_block, kv_block).
+    Returns:
+        torch.nn.attention.flex_attention.BlockMask, equal to torch's (kv/full_kv counts and indices, q-side
+        transposes, BLOCK_SIZE, mask_mod, seq_lengths).
+    """
+    check_mask_mod(mask_mod)
+    B = 1 if B is None else B
+    H = 1 if H is None else H
+    q_block, kv_block = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else tuple(BLOCK_SIZE)
+    _check_lengths(B, H, Q_LEN, KV_LEN, (q_block, kv_block))
+    counts = block_counts(mask_mod, B, H, Q_LEN, KV_LEN, q_block, kv_block, device, chunk_elements)
+    full = counts == q_block * kv_block
+    partial = (counts > 0) & ~full
+    kv_num, kv_idx = _ordered(partial)
+    full_num, full_idx = _ordered(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(q_block, kv_block),
+                                    mask_mod=mask_mod, seq_lengths=(Q_LEN, KV_LEN))
+
+
+def create_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
+                device="cpu") -> torch.Tensor:
+    """The dense (B, H, Q_LEN, KV_LEN) bool mask. For small sizes only (tests, pictures): it is S×S."""
+    check_mask_mod(mask_mod)
+    B = 1 if B is None else B
+    H = 1 if H is None else H
+    return evaluate_mask_mod(mask_mod, *index_grid(B, H, Q_LEN, KV_LEN, device))

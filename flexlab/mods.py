@@ -1,0 +1,108 @@
+"""Evaluate user score_mod / mask_mod functions on index grids, the way torch's FlexAttention does.
+
+A mod is written for scalars (0-d tensors). To evaluate it on a (B, H, Q, KV) grid we vmap it over each index
+dimension, exactly like torch's own dense path, so anything torch accepts we accept: captured tensors indexed with
+index tensors, `torch.where`, Python control flow on non-tensor values. Every host-side consumer (reference backend,
+block-mask builder, visualizer) goes through here, so there is one definition of "what the user's mod means".
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Callable
+
+import torch
+
+from .errors import FlexlabTypeError
+
+ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+_SCORE_ARGS = "(score, b, h, q_idx, kv_idx)"
+_MASK_ARGS = "(b, h, q_idx, kv_idx)"
+
+
+def _positional_arity(fn: Callable) -> int | None:
+    """Number of required positional parameters, or None when it can't be told (C functions, *args)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    count = 0
+    for p in sig.parameters.values():
+        if p.kind == p.VAR_POSITIONAL:
+            return None
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty:
+            count += 1
+    return count
+
+
+def mod_name(fn: Callable) -> str:
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def check_score_mod(score_mod, arg: str = "score_mod") -> None:
+    """Raise a TypeError naming the function if it cannot be a score_mod."""
+    if score_mod is None:
+        return
+    if not callable(score_mod):
+        raise FlexlabTypeError(f"{arg} must be a callable {_SCORE_ARGS} -> Tensor, got {type(score_mod).__name__}")
+    n = _positional_arity(score_mod)
+    if n is not None and n != 5:
+        hint = " (that looks like a mask_mod: pass it through create_block_mask(...) as block_mask=)" if n == 4 else ""
+        raise FlexlabTypeError(
+            f"{arg} {mod_name(score_mod)!r} takes {n} positional argument(s); a score_mod takes 5: {_SCORE_ARGS}{hint}")
+
+
+def check_mask_mod(mask_mod, arg: str = "mask_mod") -> None:
+    """Raise a TypeError naming the function if it cannot be a mask_mod."""
+    if mask_mod is None:
+        return
+    if not callable(mask_mod):
+        raise FlexlabTypeError(f"{arg} must be a callable {_MASK_ARGS} -> bool Tensor, got {type(mask_mod).__name__}")
+    n = _positional_arity(mask_mod)
+    if n is not None and n != 4:
+        hint = " (that looks like a score_mod: pass it as score_mod=)" if n == 5 else ""
+        raise FlexlabTypeError(
+            f"{arg} {mod_name(mask_mod)!r} takes {n} positional argument(s); a mask_mod takes 4: {_MASK_ARGS}{hint}")
+
+
+def _vmap_bhqkv(fn: Callable, leading: tuple) -> Callable:
+    """vmap `fn` over its (b, h, q_idx, kv_idx) arguments, innermost (kv) first; `leading` maps extra args."""
+    for dims in ((None, None, None, 0), (None, None, 0, None), (None, 0, None, None), (0, None, None, None)):
+        fn = torch.vmap(fn, in_dims=leading + dims, out_dims=0)
+    return fn
+
+
+def _index_mode():
+    # Lets mods index captured tensors with 0-d index tensors (table[q_idx]) under vmap, as torch does.
+    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+    return TransformGetItemToIndex()
+
+
+def evaluate_mask_mod(mask_mod: MaskMod, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor,
+                      kv: torch.Tensor) -> torch.Tensor:
+    """Evaluate `mask_mod` on the grid b × h × q × kv (1-D int index tensors) → bool (len b, len h, len q, len kv)."""
+    with _index_mode():
+        out = _vmap_bhqkv(mask_mod, ())(b, h, q, kv)
+    if out.dtype != torch.bool:
+        raise FlexlabTypeError(f"mask_mod {mod_name(mask_mod)!r} must return a bool tensor, got {out.dtype}")
+    return out.expand(len(b), len(h), len(q), len(kv))
+
+
+def evaluate_score_mod(score_mod: ScoreMod, scores: torch.Tensor, b: torch.Tensor, h: torch.Tensor,
+                       q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    """Apply `score_mod` to `scores` of shape (len b, len h, len q, len kv); differentiable."""
+    with _index_mode():
+        out = _vmap_bhqkv(score_mod, (0,))(scores, b, h, q, kv)
+    return out.expand_as(scores) if out.shape != scores.shape else out
+
+
+@functools.lru_cache(maxsize=None)
+def _arange(n: int, device: str) -> torch.Tensor:
+    return torch.arange(n, device=device)
+
+
+def index_grid(B: int, H: int, Q_LEN: int, KV_LEN: int, device) -> tuple[torch.Tensor, ...]:
+    dev = str(torch.device(device))
+    return _arange(B, dev), _arange(H, dev), _arange(Q_LEN, dev), _arange(KV_LEN, dev)
