@@ -7,17 +7,19 @@ reduced with two shuffles; row sums stay thread-local until `finalize`.
 from __future__ import annotations
 
 import math
-import operator
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
+from .carry import Carried
 from .layout import rows_view
 
 
-class OnlineSoftmax:
+class OnlineSoftmax(Carried):
     """Running row max / row sum for one consumer thread. `log2_scale` multiplies scores before exp2."""
+
+    _FIELDS = ("log2_scale", "row_max", "row_sum")
 
     def __init__(self, log2_scale: Float32, num_rows: int):
         self.log2_scale = log2_scale
@@ -69,4 +71,3 @@ def rescale_rows(acc_o: cute.Tensor, row_scale: cute.Tensor):
         o_rows[r, None].store(o_rows[r, None].load() * row_scale[r])
 
 
-_ = operator  # reductions above use cute.ReductionOp; operator kept for readers comparing with torch code

@@ -1,0 +1,37 @@
+"""Masking of the S accumulator: the sequence tail (keys past Skv) and the user's mask_mod on partial blocks.
+
+Both write -inf, which the online softmax turns into probability 0. Coordinates come from an identity tensor
+partitioned exactly like the accumulator, so element i of `coords` is the (row, col) of element i of `acc_s`.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+
+@cute.jit
+def mask_kv_tail(acc_s: cute.Tensor, coords: cute.Tensor, kv_start: Int32, seqlen_k: Int32):
+    """Keys at or past seqlen_k were zero-filled by TMA; they must not get any probability."""
+    limit = seqlen_k - kv_start
+    for i in cutlass.range_constexpr(cute.size(acc_s)):
+        acc_s[i] = acc_s[i] if coords[i][1] < limit else -Float32.inf
+
+
+@cute.jit
+def apply_mask_mod(acc_s: cute.Tensor, coords: cute.Tensor, mask_mod: cutlass.Constexpr, batch: Int32, head: Int32,
+                   q_start: Int32, kv_start: Int32, q_last: Int32, kv_last: Int32, clamp: cutlass.Constexpr[bool],
+                   aux_tensors, aux_scalars):
+    """Evaluate mask_mod(b, h, q_idx, kv_idx) per element; False -> -inf.
+
+    With captured tensors (`clamp`), indices of padded rows/columns are clamped to the last valid one so the mod never
+    reads past a captured buffer; those elements are discarded (rows never stored, columns masked by the tail mask).
+    """
+    for i in cutlass.range_constexpr(cute.size(acc_s)):
+        q_idx = q_start + coords[i][0]
+        kv_idx = kv_start + coords[i][1]
+        if cutlass.const_expr(clamp):
+            q_idx = cutlass.min(q_idx, q_last)
+            kv_idx = cutlass.min(kv_idx, kv_last)
+        keep = mask_mod(batch, head, q_idx, kv_idx, aux_tensors, aux_scalars)
+        acc_s[i] = acc_s[i] if keep else -Float32.inf
