@@ -1,0 +1,70 @@
+"""Argument parsing for ``python -m flexlab.bench`` (kept apart so tests can call `main([...])` in-process)."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from .peers import PEERS, parse_backends
+from .report import format_document, format_summary, write_json
+from .rows import ROW_SETS, select_rows
+from .runner import Settings, run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m flexlab.bench",
+        description="Race flexlab's attention kernels against torch FlexAttention (Triton and FLASH), FA4 and "
+                    "SDPA on the same inputs; print a table and write JSON.")
+    p.add_argument("--rows", default="fwd-default",
+                   help=f"comma-separated row sets: {', '.join(ROW_SETS)} (default: fwd-default)")
+    p.add_argument("--only", default=None, help="keep rows whose name contains this text, e.g. 'causal' or 'S16k'")
+    p.add_argument("--backends", default="all",
+                   help=f"all, peers, or a comma-separated list of: {', '.join(PEERS)} (default: all)")
+    p.add_argument("--json", dest="json_path", default=None, help="write results here (rewritten after each row)")
+    p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny shapes (B1 H2 S256) and short timing: checks the harness, measures nothing useful")
+    p.add_argument("--warmup-ms", type=float, default=None, help="do_bench warm-up per measurement (default 25)")
+    p.add_argument("--rep-ms", type=float, default=None, help="do_bench repetition time per measurement (default 100)")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds after which no new backend/row is started (the rest is marked skipped)")
+    p.add_argument("--show", default=None, metavar="JSON", help="print the tables of an existing result file and exit")
+    p.add_argument("--list", action="store_true", help="list the selected rows and exit")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.show:
+        with open(args.show) as f:
+            print(format_document(json.load(f)))
+        return 0
+    try:
+        rows = select_rows(args.rows, args.only)
+        backends = parse_backends(args.backends)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.quick:
+        rows = list(dict.fromkeys(r.shrunk() for r in rows))
+    if args.list:
+        print("\n".join(r.name for r in rows))
+        return 0
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    settings = Settings(backends=backends, quick=args.quick, time_budget_s=args.time_budget)
+    if args.quick:
+        settings.warmup_ms, settings.rep_ms, settings.profile_calls = 2.0, 10.0, 2
+    if args.warmup_ms is not None:
+        settings.warmup_ms = args.warmup_ms
+    if args.rep_ms is not None:
+        settings.rep_ms = args.rep_ms
+    doc = run(rows, settings, device, args.json_path)
+    print()
+    print(format_summary(doc["rows"]))
+    if args.json_path:
+        write_json(doc, args.json_path)
+        print(f"\nwrote {args.json_path}")
+    return 0

@@ -1,0 +1,161 @@
+"""Benchmark output: the environment record, the JSON document and the fixed-width tables printed to the terminal.
+
+The JSON is the source of truth (committed under benchmarks/results/); the tables are a view of it, so the same
+functions print a live run and re-render a committed file (``python -m flexlab.bench --show results.json``).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from .rows import MATMUL_CEILING_TFLOPS
+
+SCHEMA_VERSION = 1
+# Backends that are not competitors: flexlab itself, and the dense reference used in tests.
+NOT_PEERS = ("flexlab", "reference")
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _module_version(module: str) -> str | None:
+    try:
+        mod = __import__(module)
+    except Exception:
+        return None
+    return getattr(mod, "__version__", None)
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parent)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def environment(device: torch.device) -> dict:
+    """Where and with what the numbers were measured."""
+    from .. import __version__
+    env = {
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "device": str(device),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": _module_version("triton"),
+        "nvidia_cutlass_dsl": _version("nvidia-cutlass-dsl"),
+        "flash_attn_4": _version("flash-attn-4"),
+        "flexlab": __version__,
+        "flexlab_commit": _git_commit(),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        env.update(gpu=props.name, compute_capability=f"{props.major}.{props.minor}",
+                   cuda=torch.version.cuda, sm_count=props.multi_processor_count)
+    return env
+
+
+def best_peer(results: dict) -> tuple[str | None, float | None]:
+    """Fastest peer by wall-clock among those that passed the correctness check."""
+    best = (None, None)
+    for name, r in results.items():
+        if name in NOT_PEERS or r.get("status") != "ok":
+            continue
+        if best[1] is None or r["wall_ms"] < best[1]:
+            best = (name, r["wall_ms"])
+    return best
+
+
+def summarize_row(record: dict) -> None:
+    """Add the best peer and flexlab's standing on that row (speedup > 1 means flexlab is faster)."""
+    name, wall = best_peer(record["results"])
+    record["best_peer"] = name
+    record["best_peer_wall_ms"] = wall
+    ours = record["results"].get("flexlab", {})
+    record["flexlab_speedup_vs_best_peer"] = (
+        wall / ours["wall_ms"] if wall and ours.get("status") == "ok" else None)
+
+
+def document(env: dict, settings: dict, rows: list[dict]) -> dict:
+    return {"schema": SCHEMA_VERSION, "environment": env, "settings": settings,
+            "matmul_ceiling_tflops": MATMUL_CEILING_TFLOPS, "rows": rows}
+
+
+def write_json(doc: dict, path: str | os.PathLike) -> None:
+    """Write atomically, so a run cut short by a time limit leaves the last complete document behind."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+
+
+def _num(x, fmt: str, width: int) -> str:
+    return f"{x:{width}{fmt}}" if isinstance(x, (int, float)) else f"{'-':>{width}}"
+
+
+_HEAD = f"{'backend':<22}{'wall ms':>10}{'kernel ms':>11}{'TFLOP/s':>9}{'% roof':>8}  {'check':<8}note"
+
+
+def format_row(record: dict) -> str:
+    """The block of lines for one row: a header with density and work, then one line per backend."""
+    if record.get("density") is None:
+        return f"{record['name']}   not run: {record.get('skipped') or record.get('error') or 'unknown'}"
+    lines = [f"{record['name']}   density {record['density']:.4f}   {record['flops'] / 1e9:,.1f} GFLOP"]
+    for name, r in record["results"].items():
+        status = r.get("status", "?")
+        note = r.get("error") or r.get("note") or ""
+        if status == "ok" or status in ("wrong", "suspect"):
+            err = r.get("rel_l2", {})
+            note = note or ("rel-L2 " + " ".join(f"{k} {v:.1e}" for k, v in err.items()))
+            lines.append(f"  {name:<20}{_num(r.get('wall_ms'), '.3f', 10)}{_num(r.get('kernel_ms'), '.3f', 11)}"
+                         f"{_num(r.get('tflops'), '.1f', 9)}{_num(r.get('roof_pct'), '.1f', 8)}  {status:<8}"
+                         f"{_short(note)}")
+        else:
+            lines.append(f"  {name:<20}{'':>38}  {status:<8}{_short(note)}")
+    if record.get("best_peer"):
+        s = record.get("flexlab_speedup_vs_best_peer")
+        lines.append(f"  best peer: {record['best_peer']} {record['best_peer_wall_ms']:.3f} ms"
+                     + (f"; flexlab {s:.2f}x of it" if s else "; flexlab: no result"))
+    return "\n".join(lines)
+
+
+def _short(text: str, width: int = 90) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def format_summary(rows: list[dict]) -> str:
+    """One line per row: the best peer, flexlab, and how far each is from the matmul roof."""
+    out = [f"{'row':<44}{'best peer':<22}{'ms':>9}{'TFLOP/s':>9}{'flexlab ms':>12}{'TFLOP/s':>9}{'vs best':>9}"]
+    for rec in rows:
+        peer = rec.get("best_peer")
+        p = rec["results"].get(peer, {}) if peer else {}
+        f = rec["results"].get("flexlab", {})
+        f_ok = f.get("status") == "ok"
+        out.append(f"{rec['name']:<44}{(peer or '-'):<22}{_num(p.get('wall_ms'), '.3f', 9)}"
+                   f"{_num(p.get('tflops'), '.1f', 9)}{_num(f.get('wall_ms') if f_ok else None, '.3f', 12)}"
+                   f"{_num(f.get('tflops') if f_ok else None, '.1f', 9)}"
+                   f"{_num(rec.get('flexlab_speedup_vs_best_peer'), '.2f', 9)}")
+    return "\n".join(out)
+
+
+def format_document(doc: dict) -> str:
+    env = doc["environment"]
+    head = (f"{env.get('gpu', env.get('device'))}  torch {env.get('torch')}  triton {env.get('triton')}  "
+            f"cutlass-dsl {env.get('nvidia_cutlass_dsl')}  flash-attn-4 {env.get('flash_attn_4')}  "
+            f"{env.get('date_utc')}  (roof: {doc['matmul_ceiling_tflops']:.0f} TFLOP/s bf16 matmul)")
+    blocks = [head, _HEAD] + [format_row(r) for r in doc["rows"]]
+    return "\n".join(blocks) + "\n\n" + format_summary(doc["rows"])

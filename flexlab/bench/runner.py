@@ -1,0 +1,187 @@
+"""Run benchmark rows: build each case once, check every backend against the float64 reference, then time it.
+
+All backends of a row see the same q, k, v (and the same upstream gradient), in one process. torch.compile caches
+are reset between rows and its recompile limit is raised and made fatal, so torch's peers are always their compiled
+selves; the profiler's kernel names are a second guard against a silent fall-back to an unfused path.
+"""
+from __future__ import annotations
+
+import gc
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ..errors import BackendUnavailableError
+from . import check, peers
+from .cases import build_case
+from .density import mask_density
+from .report import document, format_row, summarize_row, write_json, environment
+from .rows import MATMUL_CEILING_TFLOPS, FWD_BWD, Row
+from .timing import measure
+
+
+@dataclass
+class Settings:
+    warmup_ms: float = 25.0
+    rep_ms: float = 100.0
+    profile_calls: int = 10
+    time_budget_s: float | None = None   # stop starting new work after this many seconds
+    seed: int = 0
+    quick: bool = False
+    backends: list[str] = field(default_factory=lambda: list(peers.DEFAULT_BACKENDS))
+
+
+def configure_dynamo() -> None:
+    """Enough recompiles for a whole benchmark, and an error (never an eager fall-back) past the limit."""
+    cfg = torch._dynamo.config
+    cfg.recompile_limit = max(cfg.recompile_limit, 256)
+    if hasattr(cfg, "accumulated_recompile_limit"):
+        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4096)
+    if hasattr(cfg, "fail_on_recompile_limit_hit"):
+        cfg.fail_on_recompile_limit_hit = True
+
+
+def _error_text(err: BaseException, limit: int = 600) -> str:
+    text = f"{type(err).__name__}: {err}".strip()
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _kernel_note(expect, kernels) -> str | None:
+    """Why the profile looks like a fall-back, or None when the largest kernel is the expected kind."""
+    if not expect or not kernels:
+        return None
+    top = kernels[0][0].lower()
+    if any(s in top for s in expect):
+        return None
+    return f"largest kernel {kernels[0][0][:80]!r} is not a fused attention kernel (fall-back?)"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_backend(name: str, row: Row, case, q, k, v, dout, block_mask, ref, flops, settings: Settings,
+                device) -> dict:
+    """One backend on one row: prepare, first call (compile), check, time. Never raises."""
+    prepare, expect = peers.PEERS[name]
+    grad = row.mode == FWD_BWD
+    try:
+        prepared = prepare(case, q, k, v, block_mask, grad)
+    except (peers.Unavailable, BackendUnavailableError) as err:
+        return {"status": "n/a", "error": str(err)}
+    except Exception as err:
+        return {"status": "error", "error": _error_text(err)}
+    ql, kl, vl = prepared.inputs
+    dout_native = prepared.from_bhsd(dout) if grad else None
+
+    if grad:
+        def fn():
+            for t in (ql, kl, vl):
+                t.grad = None
+            prepared.call().backward(dout_native)
+    else:
+        def fn():
+            with torch.no_grad():
+                return prepared.call()
+    record: dict = {}
+    try:
+        t0 = time.perf_counter()
+        if grad:
+            out = prepared.call()
+            out.backward(dout_native)
+        else:
+            with torch.no_grad():
+                out = prepared.call()
+        _sync(device)
+        record["first_call_s"] = round(time.perf_counter() - t0, 3)
+        grads = tuple(prepared.to_bhsd(t.grad) if t.grad is not None else None for t in (ql, kl, vl)) if grad \
+            else None
+        verdict = check.compare(ref, prepared.to_bhsd(out.detach()), grads, row.torch_dtype)
+        del out, grads
+        record["rel_l2"] = verdict["rel_l2"]
+        if not verdict["passed"]:
+            record.update(status="wrong", error=verdict["why"])
+        timing = measure(fn, device, settings.warmup_ms, settings.rep_ms, profile_calls=settings.profile_calls)
+    except (peers.Unavailable, BackendUnavailableError) as err:
+        return {"status": "n/a", "error": str(err)}
+    except Exception as err:
+        return {"status": "error", "error": _error_text(err), "traceback": traceback.format_exc(limit=6)[-2000:]}
+    finally:
+        del prepared
+    record["wall_ms"] = timing.wall_ms
+    record["kernel_ms"] = timing.kernel_ms
+    record["tflops"] = flops / (timing.wall_ms * 1e-3) / 1e12
+    record["tflops_kernel"] = flops / (timing.kernel_ms * 1e-3) / 1e12 if timing.kernel_ms else None
+    record["roof_pct"] = 100.0 * record["tflops"] / MATMUL_CEILING_TFLOPS
+    record["kernels"] = [[n, round(ms, 4)] for n, ms in timing.kernels]
+    note = _kernel_note(expect, timing.kernels)
+    if "status" not in record:
+        record["status"] = "suspect" if note else "ok"
+    if note:
+        record["note"] = note
+    return {"status": record.pop("status"), **record}
+
+
+def _inputs(row: Row, device, seed: int):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shape = (row.B, row.H, row.S, row.D)
+    q, k, v = (torch.randn(shape, generator=gen, device=device, dtype=row.torch_dtype) for _ in range(3))
+    dout = torch.randn(shape, generator=gen, device=device, dtype=row.torch_dtype) if row.mode == FWD_BWD else None
+    return q, k, v, dout
+
+
+def run_row(row: Row, settings: Settings, device: torch.device, deadline: float | None = None,
+            log=print) -> dict:
+    """Build, check and time every selected backend on one row; returns the row's JSON record."""
+    from ..mask import create_block_mask
+    torch._dynamo.reset()
+    record = {"name": row.name, **asdict(row)}
+    case = build_case(row.variant, row.B, row.H, row.S, device)
+    block_mask = (create_block_mask(case.mask_mod, None, None, row.S, row.S, device=device)
+                  if case.mask_mod is not None else None)
+    density = mask_density(block_mask)
+    flops = row.flops(density)
+    record.update(density=density, flops=flops, mods=case.mods_source)
+    q, k, v, dout = _inputs(row, device, settings.seed)
+    t0 = time.perf_counter()
+    ref = check.reference(q, k, v, case.score_mod, case.mask_mod, dout)
+    record["reference_s"] = round(time.perf_counter() - t0, 3)
+    results = {}
+    for name in settings.backends:
+        if deadline is not None and time.monotonic() > deadline:
+            results[name] = {"status": "skipped", "error": "time budget spent"}
+            continue
+        results[name] = run_backend(name, row, case, q, k, v, dout, block_mask, ref, flops, settings, device)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    record["results"] = results
+    summarize_row(record)
+    return record
+
+
+def run(rows: list[Row], settings: Settings, device: torch.device, json_path=None, log=print) -> dict:
+    """Run `rows` in order, printing each row's table as it finishes and rewriting `json_path` after each row."""
+    configure_dynamo()
+    deadline = time.monotonic() + settings.time_budget_s if settings.time_budget_s else None
+    doc = document(environment(device), {k: v for k, v in asdict(settings).items()}, [])
+    for row in rows:
+        if deadline is not None and time.monotonic() > deadline:
+            doc["rows"].append({"name": row.name, **asdict(row), "density": None, "flops": None,
+                                "skipped": "time budget spent", "results": {}})
+            continue
+        try:
+            record = run_row(row, settings, device, deadline, log)
+        except Exception as err:  # a broken case (bad mods, OOM building inputs) must not lose the other rows
+            record = {"name": row.name, **asdict(row), "density": None, "flops": None,
+                      "error": _error_text(err), "results": {}}
+            log(f"{row.name}: {record['error']}")
+        else:
+            log(format_row(record))
+        doc["rows"].append(record)
+        if json_path:
+            write_json(doc, json_path)
+    return doc

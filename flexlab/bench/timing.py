@@ -1,0 +1,76 @@
+"""Two clocks per measurement: wall-clock per call (what a user waits for) and summed GPU kernel time per call.
+
+Wall time comes from triton's `do_bench` (median over repetitions, L2 flushed between calls), so it includes the host
+work of launching: argument checks, Python dispatch, allocator calls. Kernel time sums every GPU kernel and memset
+the profiler sees during the calls, divided by the number of calls; the gap between the two is launch overhead,
+which dominates at small shapes. The profiler also tells which kernels ran, which is how a silent fall-back to an
+unfused path is caught.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class Timing:
+    wall_ms: float
+    kernel_ms: float | None = None
+    # (name, ms per call) of the kernels that took the most time, largest first.
+    kernels: list[tuple[str, float]] = field(default_factory=list)
+
+
+def wall_ms_cuda(fn: Callable[[], object], warmup_ms: float, rep_ms: float, grad_to_none=None) -> float:
+    from triton.testing import do_bench
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, grad_to_none=grad_to_none, return_mode="median"))
+
+
+def kernel_profile_cuda(fn: Callable[[], object], calls: int, top: int = 4) -> tuple[float, list[tuple[str, float]]]:
+    """GPU time per call from the profiler (all kernels and memsets), and the largest kernels by name."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    per_name: dict[str, float] = {}
+    for evt in prof.events():
+        if evt.device_type == DeviceType.CUDA:
+            per_name[evt.name] = per_name.get(evt.name, 0.0) + evt.time_range.elapsed_us()
+    total_ms = sum(per_name.values()) / 1e3 / calls
+    largest = sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
+    return total_ms, [(name, us / 1e3 / calls) for name, us in largest]
+
+
+def wall_ms_host(fn: Callable[[], object], warmup_ms: float, rep_ms: float) -> float:
+    """Median wall time per call on a CPU device (used by tests and CPU runs; no kernel clock there)."""
+    start = time.perf_counter()
+    fn()
+    first = time.perf_counter() - start
+    deadline = time.perf_counter() + warmup_ms / 1e3
+    while time.perf_counter() < deadline:
+        fn()
+    n = max(3, min(100, int(rep_ms / 1e3 / max(first, 1e-6))))
+    samples = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples) * 1e3
+
+
+def measure(fn: Callable[[], object], device: torch.device, warmup_ms: float = 25, rep_ms: float = 100,
+            grad_to_none=None, profile_calls: int = 10) -> Timing:
+    """Time `fn` (already compiled and warmed up once) with both clocks where the device has them."""
+    if device.type != "cuda":
+        return Timing(wall_ms=wall_ms_host(fn, warmup_ms, rep_ms))
+    wall = wall_ms_cuda(fn, warmup_ms, rep_ms, grad_to_none)
+    kernel_ms, kernels = kernel_profile_cuda(fn, profile_calls)
+    return Timing(wall_ms=wall, kernel_ms=kernel_ms, kernels=kernels)
