@@ -75,6 +75,8 @@ def _needs_grad(*tensors) -> bool:
 def _choose_backend(backend, query, key, value, score_mod, block_mask, scale, enable_gqa) -> str:
     if backend != "auto":
         return backend
+    if query.device.type != "cuda" and _needs_grad(query, key, value):
+        return "reference"  # torch's CPU flex_attention has no backward; the dense reference does
     if query.device.type == "cuda" and not _needs_grad(query, key, value):
         from .backends import cute
         ok, _reason = cute.is_supported(query, key, value, score_mod, block_mask, scale, enable_gqa)
@@ -106,7 +108,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         return_lse: also return the log-sum-exp of each row.
         backend: ``"reference"`` (dense fp32/fp64 math, any device), ``"torch"`` (torch's compiled
             flex_attention on CUDA, its own path on CPU), ``"cute"`` (flexlab's CuTeDSL kernels, Hopper), or
-            ``"auto"`` (cute where it supports the call, else torch).
+            ``"auto"`` (cute where it supports the call, else torch; on CPU with gradients, reference).
 
     Fully masked rows give output 0 and LSE -inf.
     """
@@ -119,6 +121,10 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         out = out.to(query.dtype)
         lse = lse.to(torch.float64 if query.dtype == torch.float64 else torch.float32)
     elif chosen == "torch":
+        if query.device.type != "cuda" and _needs_grad(query, key, value):
+            raise BackendUnavailableError(
+                "backend='torch' on CPU has no backward (torch's CPU flex_attention is forward-only); use "
+                "backend='reference' or 'auto' for gradients on CPU")
         from .backends.torch_flex import torch_flex_attention
         out, lse = torch_flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa)
     else:

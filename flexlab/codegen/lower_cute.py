@@ -1,0 +1,289 @@
+"""Readable CuTeDSL source from the IR: one module with four element-wise `@cute.jit` functions.
+
+The source is meant to be read (the notebook viewer shows it) and to be inlined by our kernels: one statement per
+line, temporaries named after their op, a comment before each group of statements quoting the user's line, and no
+Python control flow except the guard around atomics. Every value is Float32, Int32 or Boolean; operands are always
+names or literals, so no expression needs parentheses to be read correctly.
+"""
+from __future__ import annotations
+
+from .derivative import Derivative
+from .ir import BOOL, FLOAT, INT, Graph, float_literal
+
+_DSL_TYPE = {FLOAT: "Float32", INT: "Int32", BOOL: "Boolean"}
+_INFIX = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "eq": "==", "ne": "!=", "lt": "<", "le": "<=",
+          "gt": ">", "ge": ">=", "logical_and": "&", "logical_or": "|", "logical_xor": "^", "bitwise_and": "&",
+          "bitwise_or": "|", "bitwise_xor": "^", "lshift": "<<", "rshift": ">>"}
+_MATH = {"exp": "exp", "exp2": "exp2", "log": "log", "log2": "log2", "log1p": "log1p", "expm1": "expm1",
+         "sqrt": "sqrt", "rsqrt": "rsqrt", "tanh": "tanh", "sin": "sin", "cos": "cos", "erf": "erf",
+         "floor": "floor", "ceil": "ceil", "round": "roundeven", "trunc": "trunc"}
+
+SIGNATURES = {
+    "score_mod": "score, b, h, q_idx, kv_idx, aux_tensors, aux_scalars",
+    "mask_mod": "b, h, q_idx, kv_idx, aux_tensors, aux_scalars",
+    "score_mod_bwd": "grad, score, b, h, q_idx, kv_idx, aux_tensors, aux_scalars",
+    "score_mod_aux_grad": "grad, score, b, h, q_idx, kv_idx, aux_tensors, aux_scalars, aux_grads",
+}
+_DOCS = {
+    "score_mod": "The user's score_mod on one element: the already-scaled score -> Float32.",
+    "mask_mod": "The user's mask_mod on one element: True keeps the position.",
+    "score_mod_bwd": "grad * d(score_mod)/d(score) on one element, recomputing the forward temporaries it needs.",
+    "score_mod_aux_grad": ("Adds grad * d(score_mod)/d(captured[idx]) into aux_grads with relaxed fp32 atomics "
+                           "(atom.global.add.f32); callers pass grad = 0 at padded positions."),
+}
+
+
+def literal(value, kind: str) -> str:
+    if kind == BOOL:
+        return f"Boolean({bool(value)})"
+    if kind == INT:
+        return f"Int32({int(value)})"
+    text = float_literal(value)
+    if text in ("inf", "-inf", "nan"):
+        text = {"inf": "math.inf", "-inf": "-math.inf", "nan": "math.nan"}[text]
+    return f"Float32({text})"
+
+
+class FunctionEmitter:
+    """Emits the body of one generated function; each node becomes at most one named temporary."""
+
+    def __init__(self, graph: Graph, params: tuple[str, ...], forward_nodes: set[int], aux_grad_slot: dict):
+        self.g = graph
+        self.params = params
+        self.forward_nodes = forward_nodes
+        self.aux_grad_slot = aux_grad_slot
+        self.lines: list[str] = []
+        self.names: dict[int, str] = {}
+        self.used: set[str] = set(params) | {"cute", "cutlass", "math", "Float32", "Int32", "Boolean", "Uint8"}
+        self.aux_names: dict[int, str] = {}
+        self.scalar_names: dict[int, str] = {}
+        self.sizes: dict[tuple[int, int], str] = {}
+        self.clamped: dict[tuple[int, int, int], str] = {}
+        self._last_comment: str | None = None
+        self._prologue: list[str] = []
+        self._counter = 0
+
+    # -- naming -------------------------------------------------------------------------------------------------
+    def fresh(self, base: str) -> str:
+        name = base if base not in self.used and not base[-1:].isdigit() else f"{base}_{self._counter}"
+        while name in self.used:
+            self._counter += 1
+            name = f"{base}_{self._counter}"
+        self._counter += 1
+        self.used.add(name)
+        return name
+
+    def aux(self, k: int) -> str:
+        if k not in self.aux_names:
+            name = self.fresh(_identifier(self.g.aux_tensors[k].name))
+            self.aux_names[k] = name
+            self._prologue.append(f"{name} = aux_tensors[{k}]")
+        return self.aux_names[k]
+
+    def scalar(self, k: int) -> str:
+        if k not in self.scalar_names:
+            s = self.g.aux_scalars[k]
+            name = self.fresh(_identifier(s.name))
+            self.scalar_names[k] = name
+            if s.kind == BOOL:
+                self._prologue.append(f"{name} = Int32(aux_scalars[{k}]) != Int32(0)  # captured bool '{s.name}'")
+            else:
+                self._prologue.append(f"{name} = {_DSL_TYPE[s.kind]}(aux_scalars[{k}])  # captured '{s.name}'")
+        return self.scalar_names[k]
+
+    # -- statements ---------------------------------------------------------------------------------------------
+    def comment_for(self, i: int) -> None:
+        loc = self.g.locs[i]
+        if loc is None:
+            return
+        text = loc.comment() if i in self.forward_nodes else f"backward of {loc.comment()}"
+        if text != self._last_comment:
+            self.lines.append(f"# {text}")
+            self._last_comment = text
+
+    def stmt(self, i: int, base: str, expr: str) -> str:
+        self.comment_for(i)
+        name = self.fresh(base)
+        self.lines.append(f"{name} = {expr}")
+        self.names[i] = name
+        return name
+
+    def value(self, i: int) -> str:
+        """A name or literal for node i, emitting its statement (and its operands') first."""
+        if i in self.names:
+            return self.names[i]
+        n = self.g.nodes[i]
+        if n.op == "const":
+            return literal(n.attr[0], n.kind)
+        if n.op == "input":
+            return n.attr[0]
+        if n.op == "scalar":
+            return self.scalar(n.attr[0])
+        a = [self.value(j) for j in n.args]
+        if n.op == "load":
+            return self.load(i)
+        return self.stmt(i, _base_name(n.op, n.kind), self.expr(n.op, n.kind, a, [self.g.nodes[j] for j in n.args]))
+
+    def expr(self, op: str, kind: str, a: list[str], args) -> str:
+        T = _DSL_TYPE[kind]
+        if op in _INFIX:
+            return f"{a[0]} {_INFIX[op]} {a[1]}"
+        if op == "floordiv":
+            return f"{a[0]} // {a[1]}" if kind == INT else f"cute.math.floor({a[0]} / {a[1]})"
+        if op == "mod":  # Python/torch remainder: the sign follows the divisor
+            if kind == INT:
+                return f"{a[0]} - ({a[0]} // {a[1]}) * {a[1]}"
+            return f"{a[0]} - cute.math.floor({a[0]} / {a[1]}) * {a[1]}"
+        if op == "fmod":  # C remainder: the sign follows the dividend
+            return f"{a[0]} % {a[1]}" if kind == INT else f"cute.math.rem({a[0]}, {a[1]})"
+        if op == "pow":
+            return _pow_expr(a, args[1], kind)
+        if op in ("minimum", "maximum"):
+            return f"cutlass.{op[:3]}({a[0]}, {a[1]})"
+        if op in _MATH:
+            return f"cute.math.{_MATH[op]}({a[0]})"
+        if op == "sigmoid":
+            return f"Float32(1.0) / (Float32(1.0) + cute.math.exp(-{a[0]}))"
+        if op == "neg":
+            return f"-{a[0]}"
+        if op == "abs":
+            return f"cute.math.abs({a[0]})" if kind == FLOAT else f"cutlass.max({a[0]}, -{a[0]})"
+        if op == "sign":
+            one, zero = literal(1, kind), literal(0, kind)
+            inner = f"{T}(cutlass.select_({a[0]} < {zero}, -{one}, {a[0]}))"
+            return f"{T}(cutlass.select_({a[0]} > {zero}, {one}, {inner}))"
+        if op in ("logical_not", "bitwise_not"):
+            return f"~{a[0]}"
+        if op == "where":
+            return f"{T}(cutlass.select_({a[0]}, {a[1]}, {a[2]}))"
+        if op == "cast":
+            src = args[0].kind
+            if kind == BOOL:
+                return f"{a[0]} != {literal(0, src)}"
+            if src == BOOL:
+                return f"{T}(cutlass.select_({a[0]}, {literal(1, kind)}, {literal(0, kind)}))"
+            return f"{a[0]}.to({T})"
+        raise AssertionError(f"CuTeDSL emitter has no rule for op {op!r}")  # pragma: no cover
+
+    def clamped_indices(self, i: int) -> list[str]:
+        """Index expressions of load node i, wrapped like torch and clamped into the tensor's shape."""
+        n = self.g.nodes[i]
+        t = self.aux(n.attr[0])
+        out = []
+        for d, j in enumerate(n.args):
+            key = (n.attr[0], d, j)
+            if key not in self.clamped:
+                raw = self.value(j)
+                size_key = (n.attr[0], d)
+                if size_key not in self.sizes:
+                    self.sizes[size_key] = self.fresh(f"{t}_size{d}")
+                    self._prologue.append(f"{self.sizes[size_key]} = Int32({t}.shape[{d}])")
+                size = self.sizes[size_key]
+                self.comment_for(i)
+                wrapped = self.fresh(f"{t}_i{d}")
+                self.lines.append(f"{wrapped} = Int32(cutlass.select_({raw} < Int32(0), {raw} + {size}, {raw}))")
+                self.lines.append(f"{wrapped} = cutlass.max(cutlass.min({wrapped}, {size} - Int32(1)), Int32(0))")
+                self.clamped[key] = wrapped
+            out.append(self.clamped[key])
+        return out
+
+    def load(self, i: int) -> str:
+        n = self.g.nodes[i]
+        t = self.aux(n.attr[0])
+        idx = self.clamped_indices(i) if n.args else ["0"]
+        element = f"{t}[{', '.join(idx)}]"
+        if n.kind == BOOL:
+            expr = f"{element}.to(Int32) != Int32(0)"
+        else:
+            expr = f"{element}.to({_DSL_TYPE[n.kind]})"
+        return self.stmt(i, f"{t}_val", expr)
+
+    def atomic_add(self, term, slot: int) -> None:
+        value = self.value(term.value)
+        load = self.g.nodes[term.load]
+        idx = self.clamped_indices(term.load) if load.args else ["0"]
+        dst = self.fresh(f"{self.aux(load.attr[0])}_grad")
+        self.lines.append(f"{dst} = aux_grads[{slot}]")
+        coord = f"({idx[0]},)" if len(idx) == 1 else f"({', '.join(idx)})"
+        self.lines.append(f"if {value} != Float32(0.0):  # masked and padded positions add nothing")
+        self.lines.append(f"    cute.arch.atomic_add({dst}.iterator + cute.crd2idx({coord}, {dst}.layout), {value})")
+
+    def body(self) -> list[str]:
+        return self._prologue + self.lines
+
+
+def _pow_expr(a: list[str], exponent, kind: str) -> str:
+    if exponent.op == "const":
+        e = exponent.attr[0]
+        if e == 2:
+            return f"{a[0]} * {a[0]}"
+        if kind == INT:
+            return " * ".join([a[0]] * int(e)) if e > 0 else "Int32(1)"
+        if e == 0.5:
+            return f"cute.math.sqrt({a[0]})"
+    return f"cute.math.pow({a[0]}, {a[1]})"
+
+
+def _base_name(op: str, kind: str) -> str:
+    if op == "cast":
+        return {FLOAT: "as_float", INT: "as_int", BOOL: "as_bool"}[kind]
+    return op
+
+
+def _identifier(name: str) -> str:
+    ident = "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in name) or "captured"
+    return ident if not ident[0].isdigit() else f"c_{ident}"
+
+
+def emit_function(graph: Graph, fn: str, root: int | None, default: str, forward_nodes: set[int],
+                  aux_terms=(), aux_grad_slot: dict | None = None) -> str:
+    params = tuple(p.strip() for p in SIGNATURES[fn].split(","))
+    em = FunctionEmitter(graph, params, forward_nodes, aux_grad_slot or {})
+    ret = None
+    if fn == "score_mod_aux_grad":
+        for term in aux_terms:
+            em.atomic_add(term, em.aux_grad_slot[term.aux])
+    else:
+        ret = default if root is None else em.value(root)
+    lines = [f"@cute.jit", f"def {fn}({SIGNATURES[fn]}):", f'    """{_DOCS[fn]}"""']
+    body = em.body()
+    if ret is not None:
+        body.append(f"return {ret}")
+    elif not body:
+        body.append("pass  # no captured tensor of this mod requires grad")
+    lines.extend("    " + line for line in body)
+    return "\n".join(lines)
+
+
+def emit_module(graph: Graph, score_root: int | None, mask_root: int | None, deriv: Derivative | None,
+                header: str) -> str:
+    forward_nodes = set(graph.needed([score_root, mask_root]))
+    slots = {}
+    for k, t in enumerate(graph.aux_tensors):
+        if t.requires_grad:
+            slots[k] = len(slots)
+    parts = [
+        f'"""{header}"""',
+        "import math",
+        "",
+        "import cutlass",
+        "import cutlass.cute as cute",
+        "from cutlass import Boolean, Float32, Int32",
+        "",
+        "",
+        emit_function(graph, "score_mod", score_root, "score", forward_nodes),
+        "",
+        "",
+        emit_function(graph, "mask_mod", mask_root, "Boolean(True)", forward_nodes),
+        "",
+        "",
+        emit_function(graph, "score_mod_bwd", deriv.d_score if deriv else None,
+                      "grad" if score_root is None else "Float32(0.0)", forward_nodes),
+        "",
+        "",
+        emit_function(graph, "score_mod_aux_grad", None, "", forward_nodes,
+                      deriv.aux_terms if deriv else (), slots),
+        "",
+    ]
+    return "\n".join(parts)
+

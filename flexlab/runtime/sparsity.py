@@ -1,0 +1,73 @@
+"""Turn a torch BlockMask into the int32 tensors the kernel walks, at the kernel's tile size, plus a tile order.
+
+A mask built at a block size that is a multiple of the kernel tile is split: a (q_bs, kv_bs) block becomes
+(q_bs/tile_m) x (kv_bs/tile_n) kernel blocks of the same state. The result is cached per BlockMask object, so a
+training loop that reuses its mask pays this once.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+_CACHE: "OrderedDict[tuple, KernelBlockMask]" = OrderedDict()
+_CACHE_SIZE = 64
+
+
+@dataclass(frozen=True)
+class KernelBlockMask:
+    kv_num: torch.Tensor  # (Bm, Hm, nQ) int32: partial blocks per Q tile
+    kv_idx: torch.Tensor  # (Bm, Hm, nQ, K) int32
+    full_num: torch.Tensor
+    full_idx: torch.Tensor
+    order: torch.Tensor  # (nQ,) int32: Q tiles longest-work-first
+
+    def as_args(self) -> tuple:
+        return (self.kv_num, self.kv_idx, self.full_num, self.full_idx)
+
+
+def incompatibility(block_mask, tile_m: int, tile_n: int) -> str | None:
+    """Why this mask cannot drive a kernel with these tiles, or None."""
+    q_bs, kv_bs = (int(x) for x in block_mask.BLOCK_SIZE)
+    if q_bs % tile_m or kv_bs % tile_n:
+        return (f"block_mask BLOCK_SIZE={(q_bs, kv_bs)} is not a multiple of the kernel tile {(tile_m, tile_n)}; "
+                f"build it with BLOCK_SIZE={tile_m} or a multiple")
+    return None
+
+
+def _split(num: torch.Tensor, idx: torch.Tensor, rq: int, rk: int, n_q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if rk > 1:  # every listed mask block j becomes kernel blocks j*rk .. j*rk+rk-1, still a prefix of the row
+        idx = (idx.unsqueeze(-1) * rk + torch.arange(rk, device=idx.device, dtype=idx.dtype)).flatten(-2)
+        num = num * rk
+    if rq > 1:
+        idx = idx.repeat_interleave(rq, dim=2)
+        num = num.repeat_interleave(rq, dim=2)
+    return num[:, :, :n_q].to(torch.int32).contiguous(), idx[:, :, :n_q].to(torch.int32).contiguous()
+
+
+def kernel_block_mask(block_mask, seqlen_q: int, tile_m: int, tile_n: int) -> KernelBlockMask:
+    key = (id(block_mask), id(block_mask.kv_indices), tile_m, tile_n, seqlen_q)
+    hit = _CACHE.get(key)
+    if hit is not None:
+        _CACHE.move_to_end(key)
+        return hit
+    q_bs, kv_bs = (int(x) for x in block_mask.BLOCK_SIZE)
+    rq, rk = q_bs // tile_m, kv_bs // tile_n
+    n_q = -(-seqlen_q // tile_m)
+    kv_num, kv_idx = _split(block_mask.kv_num_blocks, block_mask.kv_indices, rq, rk, n_q)
+    if block_mask.full_kv_num_blocks is not None:
+        full_num, full_idx = _split(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, rq, rk, n_q)
+    else:  # no full blocks recorded: everything listed is partial
+        full_num = torch.zeros_like(kv_num)
+        full_idx = torch.zeros_like(kv_idx[..., :1])
+    work = (kv_num + full_num).sum(dim=(0, 1))
+    order = torch.argsort(work, descending=True, stable=True).to(torch.int32).contiguous()
+    result = KernelBlockMask(kv_num, kv_idx, full_num, full_idx, order)
+    _CACHE[key] = result
+    # Keep the BlockMask alive with its entry so its id cannot be reused by another mask while cached.
+    _CACHE.move_to_end(key)
+    object.__setattr__(result, "_owner", block_mask)
+    while len(_CACHE) > _CACHE_SIZE:
+        _CACHE.popitem(last=False)
+    return result

@@ -1,0 +1,134 @@
+"""flex_attention's reference and torch backends against torch's own eager flex_attention and a float64 truth."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
+from torch.nn.attention.flex_attention import flex_attention as torch_flex_attention
+
+import flexlab
+from flexlab.testing import TOLERANCES, random_qkv, reference, rel_l2
+from mod_matrix import MOD_NAMES, make_mods
+
+# (B, Hq, Hkv, Sq, Skv, D): lengths off the 128 grid, Sq != Skv both ways, GQA.
+SHAPES = [(2, 2, 2, 200, 200, 32), (1, 4, 2, 129, 300, 64), (1, 2, 1, 300, 127, 16)]
+
+
+def _torch_eager(q, k, v, score_mod, block_mask, enable_gqa):
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out, lse = torch_flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=enable_gqa,
+                                        return_lse=True)
+    return out, lse
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", MOD_NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_reference_matches_torch_eager(name, shape, dtype):
+    B, Hq, Hkv, Sq, Skv, D = shape
+    score_mod, mask_mod = make_mods(B, Hq, Sq, Skv)[name]
+    q, k, v = random_qkv(B, Hq, Sq, Skv, D, dtype, Hkv=Hkv)
+    bm = flexlab.create_block_mask(mask_mod, B, None, Sq, Skv) if mask_mod else None
+    gqa = Hq != Hkv
+    out, lse = flexlab.flex_attention(q, k, v, score_mod, bm, enable_gqa=gqa, return_lse=True, backend="reference")
+    t_bm = torch_create_block_mask(mask_mod, B, None, Sq, Skv, device="cpu") if mask_mod else None
+    t_out, t_lse = _torch_eager(q, k, v, score_mod, t_bm, gqa)
+    truth, truth_lse = reference(q, k, v, score_mod, bm, enable_gqa=gqa)
+    assert out.dtype == dtype and out.shape == (B, Hq, Sq, D)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    tol = TOLERANCES[dtype]
+    assert rel_l2(out, truth) < tol
+    assert rel_l2(t_out, truth) < 2 * tol  # the comparison itself is meaningful
+    assert rel_l2(out, t_out) < 2 * tol
+    alive = torch.isfinite(truth_lse)
+    assert torch.equal(torch.isfinite(lse), alive)
+    assert torch.allclose(lse[alive].double(), truth_lse[alive], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["fully_masked_rows"])
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_fully_masked_rows_are_zero_with_neg_inf_lse(name, backend):
+    B, H, S, D = 1, 2, 64, 16
+    _, mask_mod = make_mods(B, H, S, S)[name]
+    q, k, v = random_qkv(B, H, S, S, D)
+    bm = flexlab.create_block_mask(mask_mod, None, None, S, S)
+    out, lse = flexlab.flex_attention(q, k, v, block_mask=bm, return_lse=True, backend=backend)
+    dead = torch.arange(S) % 7 == 3
+    assert torch.all(out[:, :, dead] == 0)
+    assert torch.all(torch.isneginf(lse[:, :, dead]))
+    assert not torch.isnan(out).any()
+    assert torch.all(torch.isfinite(lse[:, :, ~dead]))
+
+
+@pytest.mark.parametrize("name", MOD_NAMES)
+def test_reference_gradients_pass_gradcheck(name):
+    """Finite differences in float64: the reference's autograd is the math, for every mod (GQA, Sq != Skv)."""
+    B, Hq, Hkv, Sq, Skv, D = 1, 2, 1, 9, 12, 4
+    score_mod, mask_mod = make_mods(B, Hq, Sq, Skv)[name]
+    bm = flexlab.create_block_mask(mask_mod, B, None, Sq, Skv, BLOCK_SIZE=4) if mask_mod else None
+    q, k, v = random_qkv(B, Hq, Sq, Skv, D, torch.float64, Hkv=Hkv, requires_grad=True)
+
+    def fn(q, k, v):
+        out = flexlab.flex_attention(q, k, v, score_mod, bm, enable_gqa=True)  # auto → reference on CPU
+        return out
+
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-6, atol=1e-7)
+
+
+def test_torch_backend_refuses_cpu_backward_clearly():
+    q, k, v = random_qkv(1, 1, 16, 16, 8, requires_grad=True)
+    with pytest.raises(flexlab.BackendUnavailableError, match="backend='reference'"):
+        flexlab.flex_attention(q, k, v, backend="torch")
+
+
+def test_captured_parameter_gets_gradient():
+    H, S, D = 2, 96, 16
+    table = torch.randn(H, 2 * S - 1, dtype=torch.float64, requires_grad=True)
+
+    def learnable_bias(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + S - 1]
+
+    q, k, v = random_qkv(1, H, S, S, D, torch.float64)
+    out = flexlab.flex_attention(q, k, v, learnable_bias, backend="reference")
+    (g,) = torch.autograd.grad(out.square().sum(), table)
+    # Compare with explicit dense math.
+    rel = torch.arange(S)[:, None] - torch.arange(S)[None, :] + S - 1
+    table2 = table.detach().clone().requires_grad_(True)
+    s = q @ k.transpose(-1, -2) * D ** -0.5 + table2[:, rel].unsqueeze(0)
+    out2 = torch.softmax(s, -1) @ v
+    (g2,) = torch.autograd.grad(out2.square().sum(), table2)
+    assert rel_l2(out, out2) < 1e-12
+    assert rel_l2(g, g2) < 1e-10
+
+
+def test_torch_backend_cpu_matches_reference():
+    B, H, S, D = 1, 2, 150, 32
+    score_mod, mask_mod = make_mods(B, H, S, S)["alibi_causal"]
+    bm = flexlab.create_block_mask(mask_mod, B, H, S, S)
+    q, k, v = random_qkv(B, H, S, S, D)
+    out = flexlab.flex_attention(q, k, v, score_mod, bm, backend="torch")
+    truth, _ = reference(q, k, v, score_mod, bm)
+    assert rel_l2(out, truth) < TOLERANCES[torch.float32]
+
+
+def test_auto_on_cpu_uses_torch_path_and_scale_is_honoured():
+    q, k, v = random_qkv(1, 2, 64, 64, 16)
+    a = flexlab.flex_attention(q, k, v, scale=0.3)
+    truth, _ = reference(q, k, v, scale=0.3)
+    assert rel_l2(a, truth) < TOLERANCES[torch.float32]
+    assert rel_l2(a, reference(q, k, v)[0]) > 1e-3
+
+
+def test_cute_backend_is_explicit_about_availability():
+    q, k, v = random_qkv(1, 1, 16, 16, 16)
+    with pytest.raises(flexlab.BackendUnavailableError, match="cute"):
+        flexlab.flex_attention(q, k, v, backend="cute")
+
+
+def test_return_lse_shapes_and_types():
+    q, k, v = random_qkv(2, 2, 33, 65, 8)
+    res = flexlab.flex_attention(q, k, v, return_lse=True, backend="reference")
+    assert isinstance(res, tuple) and res[1].shape == (2, 2, 33) and res[1].dtype == torch.float32
+    assert isinstance(flexlab.flex_attention(q, k, v, backend="reference"), torch.Tensor)
