@@ -57,3 +57,13 @@ def alibi_score_torch(slopes):
     return score_mod
 
 
+
+
+@cute.jit
+def holes_causal_mask(b, h, q_idx, kv_idx, aux_tensors, aux_scalars):
+    """Causal, with every 7th query row fully masked (checks output 0 / LSE -inf)."""
+    return (q_idx % 7 != 0) & (q_idx >= kv_idx)
+
+
+def holes_causal_mask_torch(b, h, q_idx, kv_idx):
+    return (q_idx % 7 != 0) & (q_idx >= kv_idx)
