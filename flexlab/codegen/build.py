@@ -81,7 +81,13 @@ class Builder:
             _, (a, b) = self._promoted((a, b), loc)
             return self.g.add(op, (a, b), BOOL, (), loc)
         if op in ("logical_and", "logical_or", "logical_xor"):
-            return self.g.add(op, (self.cast(a, BOOL, loc), self.cast(b, BOOL, loc)), BOOL, (), loc)
+            a, b = self.cast(a, BOOL, loc), self.cast(b, BOOL, loc)
+            if op != "logical_xor":  # and_masks / or_masks start from a constant: fold it away
+                neutral = op == "logical_and"
+                for x, y in ((a, b), (b, a)):
+                    if self.g.is_const(x):
+                        return y if self.g.const_value(x) == neutral else x
+            return self.g.add(op, (a, b), BOOL, (), loc)
         if op in ("bitwise_and", "bitwise_or", "bitwise_xor"):
             if FLOAT in (ka, kb):
                 raise KindError(f"{op} is only defined for integer and bool values")

@@ -98,13 +98,15 @@ def _user_loc() -> Loc | None:
 
 class Proxy:
     """A traced 0-d value. Behaves like the 0-d tensors torch passes to mods, for the ops flexlab can lower."""
-    __slots__ = ("_tracer", "_node")
+    __slots__ = ("_tracer", "_node", "captured")
 
-    def __init__(self, tracer: "Tracer", node: int | None):
-        self._tracer, self._node = tracer, node
+    def __init__(self, tracer: "Tracer", node: int | None, captured: "CapturedNumber | None" = None):
+        self._tracer, self._node, self.captured = tracer, node, captured
 
     @property
     def node(self) -> int:
+        if self._node is None:  # a captured number becomes a kernel argument only once the trace uses it
+            self._node = self._tracer.register_scalar(self.captured)
         return self._node
 
     # -- tensor-like metadata ------------------------------------------------------------------------------
@@ -171,19 +173,12 @@ for _name in ("add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv"
     setattr(Proxy, f"__{_name}__", _make_operator(f"__{_name}__"))
 
 
-class _ScalarProxy(Proxy):
-    """A captured Python number; it becomes a kernel argument only if the traced code actually uses it."""
-    __slots__ = ("slot", "name", "value")
-
-    def __init__(self, tracer, slot, name, value):
-        super().__init__(tracer, None)
-        self.slot, self.name, self.value = slot, name, value
-
-    @property
-    def node(self) -> int:
-        if self._node is None:
-            self._node = self._tracer.register_scalar(self)
-        return self._node
+@dataclass(frozen=True)
+class CapturedNumber:
+    """Where a captured Python number lives (see captures.CaptureRewriter) and its value at trace time."""
+    slot: tuple
+    name: str
+    value: object
 
 
 class _PartialIndex:
@@ -253,17 +248,17 @@ class Tracer:
         self.baked = baked
         self.created: dict[int, torch.Tensor] = {}  # tensors made during the trace: literals, not captures
         self._aux_ids: dict[int, int] = {}
-        self._scalars: dict[tuple, _ScalarProxy] = {}
+        self._scalars: dict[tuple, Proxy] = {}
         self._scalar_slots: list[tuple] = []
         self.rewriter = CaptureRewriter(self.make_scalar, baked)
 
     # -- captures ------------------------------------------------------------------------------------------------
     def make_scalar(self, slot, name, value):
         if slot not in self._scalars:
-            self._scalars[slot] = _ScalarProxy(self, slot, name, value)
+            self._scalars[slot] = Proxy(self, None, CapturedNumber(slot, name, value))
         return self._scalars[slot]
 
-    def register_scalar(self, p: _ScalarProxy) -> int:
+    def register_scalar(self, p: CapturedNumber) -> int:
         kind = BOOL if isinstance(p.value, bool) else INT if isinstance(p.value, int) else FLOAT
         if kind == INT and not -(2 ** 31) <= p.value < 2 ** 31:
             self.baked.add(p.slot)  # cannot be an Int32 kernel argument; retrace with it as a constant
@@ -527,11 +522,14 @@ def _trace_once(tracer: Tracer, score_mod, mask_mod) -> TraceResult:
     score_root = mask_root = None
     with _TraceMode(tracer):
         if score_mod is not None:
+            g.scope = "score_mod"
             out = tracer.rewriter.rewrite(score_mod)(*args)
             score_root = tracer.b.cast(_output(tracer, out, "score_mod"), FLOAT)
         if mask_mod is not None:
+            g.scope = "mask_mod"
             out = tracer.rewriter.rewrite(mask_mod)(*args[1:])
             mask_root = tracer.b.cast(_output(tracer, out, "mask_mod"), BOOL)
+    g.scope = "score_mod"  # the derivative extends the score_mod
     return TraceResult(g, score_root, mask_root, dict(tracer.rewriter.baked_values))
 
 

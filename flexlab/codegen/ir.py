@@ -115,11 +115,14 @@ class Graph:
     locs: list[Loc | None] = field(default_factory=list)
     aux_tensors: list[AuxTensor] = field(default_factory=list)
     aux_scalars: list[AuxScalar] = field(default_factory=list)
+    #: Which function is being built ("score_mod", "mask_mod"). Ops are shared within a scope only, so each
+    #: generated function's comments point at that mod's own lines; leaves are shared by all.
+    scope: str = ""
     _index: dict = field(default_factory=dict)
 
     def add(self, op: str, args: tuple[int, ...], kind: str, attr: tuple = (), loc: Loc | None = None) -> int:
         node = Node(op, tuple(args), kind, tuple(attr))
-        key = node.key()
+        key = (node.key(), "" if op in LEAF_OPS else self.scope)
         found = self._index.get(key)
         if found is not None:
             return found

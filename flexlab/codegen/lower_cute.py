@@ -7,9 +7,13 @@ names or literals, so no expression needs parentheses to be read correctly.
 """
 from __future__ import annotations
 
+import builtins
+import keyword
+
 from .derivative import Derivative
 from .ir import BOOL, FLOAT, INT, Graph, float_literal
 
+_BUILTINS = set(dir(builtins))
 _DSL_TYPE = {FLOAT: "Float32", INT: "Int32", BOOL: "Boolean"}
 _INFIX = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "eq": "==", "ne": "!=", "lt": "<", "le": "<=",
           "gt": ">", "ge": ">=", "logical_and": "&", "logical_or": "|", "logical_xor": "^", "bitwise_and": "&",
@@ -61,15 +65,13 @@ class FunctionEmitter:
         self.clamped: dict[tuple[int, int, int], str] = {}
         self._last_comment: str | None = None
         self._prologue: list[str] = []
-        self._counter = 0
 
     # -- naming -------------------------------------------------------------------------------------------------
     def fresh(self, base: str) -> str:
-        name = base if base not in self.used and not base[-1:].isdigit() else f"{base}_{self._counter}"
-        while name in self.used:
-            self._counter += 1
-            name = f"{base}_{self._counter}"
-        self._counter += 1
+        name, k = base, 1
+        while name in self.used or keyword.iskeyword(name) or name in _BUILTINS:
+            k += 1
+            name = f"{base}_{k}"
         self.used.add(name)
         return name
 

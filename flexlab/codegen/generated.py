@@ -1,0 +1,235 @@
+"""`generate()`: trace -> IR -> derivative -> CuTeDSL source, packaged for the kernels and the notebook.
+
+`GeneratedMods` is what a kernel compiles against. Its `hash` is the JIT cache key: a sha256 of the graph's
+structure (ops, constants, captured-tensor dtypes and ranks, scalar kinds) and the generator version, never of
+captured scalar values or tensor data, so a new window size or softcap reuses the compiled kernel.
+"""
+from __future__ import annotations
+
+import hashlib
+import html
+import linecache
+import sys
+import types
+
+import torch
+
+from .derivative import Derivative, differentiate
+from .frontend import trace
+from .ir import BOOL, FLOAT, INT, KIND_NAMES
+from .lower_cute import emit_module
+from .lower_torch import Env, clamp_index, evaluate
+
+GENERATOR_VERSION = "1"
+
+_MODULES: dict[str, types.ModuleType] = {}
+
+#: dtype a captured tensor has in the kernel: 64-bit types narrow to 32 bits, bool is stored as uint8.
+_KERNEL_DTYPE = {torch.float64: torch.float32, torch.int64: torch.int32, torch.bool: torch.uint8}
+
+
+class GeneratedMods:
+    """Generated CuTeDSL for one (score_mod, mask_mod) pair plus everything a kernel needs to call it.
+
+    Scalars reach the kernel as `Int32` (int), `Float32` (float) and `Int32` 0/1 (bool); `kernel_aux_scalars()`
+    builds them. Captured tensors reach it converted by `kernel_aux_tensors()` (see `_KERNEL_DTYPE`).
+    """
+
+    def __init__(self, traced, deriv: Derivative, source: str, key: str, names: tuple[str, str]):
+        self._traced = traced
+        self._graph = traced.graph
+        self._deriv = deriv
+        self.source = source
+        self.hash = key
+        self._names = names
+
+    # -- what the kernels read ------------------------------------------------------------------------------------
+    @property
+    def has_score_mod(self) -> bool:
+        """False when there is no score_mod or it returns the score unchanged."""
+        root = self._traced.score_root
+        return root is not None and not (self._graph.nodes[root].op == "input")
+
+    @property
+    def has_mask_mod(self) -> bool:
+        """False when there is no mask_mod or it keeps every position."""
+        root = self._traced.mask_root
+        return root is not None and not (self._graph.is_const(root) and self._graph.const_value(root) is True)
+
+    @property
+    def aux_tensors(self) -> list[torch.Tensor]:
+        return [t.tensor for t in self._graph.aux_tensors]
+
+    @property
+    def aux_tensor_names(self) -> list[str]:
+        return [t.name for t in self._graph.aux_tensors]
+
+    @property
+    def aux_requires_grad(self) -> list[bool]:
+        return [t.requires_grad for t in self._graph.aux_tensors]
+
+    @property
+    def aux_scalars(self) -> list:
+        return [s.value for s in self._graph.aux_scalars]
+
+    @property
+    def aux_scalar_names(self) -> list[str]:
+        return [s.name for s in self._graph.aux_scalars]
+
+    @property
+    def aux_scalar_kinds(self) -> list[str]:
+        """"int", "float" or "bool" per scalar; the kernel types are Int32, Float32 and Int32 (0/1)."""
+        return [KIND_NAMES[s.kind] for s in self._graph.aux_scalars]
+
+    @property
+    def baked_scalars(self) -> dict:
+        """Captured numbers that steer Python control flow in the mod, compiled in as constants."""
+        return dict(self._traced.baked)
+
+    def kernel_aux_tensors(self) -> list[torch.Tensor]:
+        """Captured tensors as the kernel reads them: contiguous, 64-bit narrowed to 32, bool as uint8, 0-d as (1,)."""
+        out = []
+        for t in self._graph.aux_tensors:
+            x = t.tensor.detach()
+            if x.dtype == torch.int64 and x.numel() and (x.max() >= 2 ** 31 or x.min() < -(2 ** 31)):
+                raise ValueError(f"captured tensor '{t.name}' holds values outside Int32; the kernel reads int32")
+            x = x.to(_KERNEL_DTYPE.get(x.dtype, x.dtype)).contiguous()
+            out.append(x.reshape(1) if x.dim() == 0 else x)
+        return out
+
+    def kernel_aux_scalars(self, values=None) -> list:
+        """The scalars as CuTeDSL runtime arguments (`values` overrides the captured ones, same order)."""
+        from cutlass import Float32, Int32
+        values = self.aux_scalars if values is None else list(values)
+        out = []
+        for s, v in zip(self._graph.aux_scalars, values):
+            if s.kind == FLOAT:
+                out.append(Float32(float(v)))
+            else:
+                v = int(v)
+                if not -(2 ** 31) <= v < 2 ** 31:
+                    raise ValueError(f"captured scalar '{s.name}' = {v} does not fit the kernel's Int32")
+                out.append(Int32(v))
+        return out
+
+    def module(self) -> types.ModuleType:
+        """The generated source, executed once per hash in this process; its functions are `@cute.jit`."""
+        mod = _MODULES.get(self.hash)
+        if mod is None:
+            name = f"flexlab_generated_mods_{self.hash[:16]}"
+            filename = f"<{name}>"
+            # CuTeDSL re-reads a jit function's source through linecache, so the text must be findable there.
+            linecache.cache[filename] = (len(self.source), None, self.source.splitlines(True), filename)
+            mod = types.ModuleType(name)
+            mod.__file__ = filename
+            sys.modules[name] = mod
+            exec(compile(self.source, filename, "exec"), mod.__dict__)
+            _MODULES[self.hash] = mod
+        return mod
+
+    # -- torch evaluator -----------------------------------------------------------------------------------------
+    def _env(self, inputs: dict, float_dtype, device, scalars) -> Env:
+        return Env(inputs=inputs, scalars=self.aux_scalars if scalars is None else list(scalars),
+                   aux_tensors=[t.detach() for t in self.aux_tensors], float_dtype=float_dtype, device=device)
+
+    def evaluate_score_mod(self, score, b, h, q_idx, kv_idx, *, scalars=None) -> torch.Tensor:
+        """The IR's score_mod with torch ops; arguments broadcast, floats computed in score's dtype."""
+        if self._traced.score_root is None:
+            return score
+        env = self._env(dict(score=score, b=b, h=h, q_idx=q_idx, kv_idx=kv_idx), score.dtype, score.device, scalars)
+        return evaluate(self._graph, [self._traced.score_root], env)[0]
+
+    def evaluate_mask_mod(self, b, h, q_idx, kv_idx, *, scalars=None) -> torch.Tensor:
+        device = torch.as_tensor(q_idx).device
+        if self._traced.mask_root is None:
+            return torch.ones((), dtype=torch.bool, device=device)
+        env = self._env(dict(b=b, h=h, q_idx=q_idx, kv_idx=kv_idx), torch.float32, device, scalars)
+        return evaluate(self._graph, [self._traced.mask_root], env)[0]
+
+    def evaluate_score_mod_bwd(self, grad, score, b, h, q_idx, kv_idx, *, scalars=None) -> torch.Tensor:
+        """grad * d(score_mod)/d(score) from the symbolic derivative."""
+        if self._traced.score_root is None:
+            return grad
+        if self._deriv.d_score is None:
+            return torch.zeros_like(torch.broadcast_tensors(grad, score)[0])
+        env = self._env(dict(grad=grad, score=score, b=b, h=h, q_idx=q_idx, kv_idx=kv_idx), score.dtype,
+                        score.device, scalars)
+        return evaluate(self._graph, [self._deriv.d_score], env)[0]
+
+    def evaluate_aux_grads(self, grad, score, b, h, q_idx, kv_idx, *, scalars=None) -> list[torch.Tensor]:
+        """Gradients of sum(grad * score_mod) w.r.t. each captured tensor that requires grad (same shapes)."""
+        env = self._env(dict(grad=grad, score=score, b=b, h=h, q_idx=q_idx, kv_idx=kv_idx), score.dtype,
+                        score.device, scalars)
+        slots = [k for k, rg in enumerate(self.aux_requires_grad) if rg]
+        out = [torch.zeros(self.aux_tensors[k].shape, dtype=score.dtype, device=score.device) for k in slots]
+        for term in self._deriv.aux_terms:
+            load = self._graph.nodes[term.load]
+            vals = evaluate(self._graph, [term.value, *load.args], env)
+            target = out[slots.index(term.aux)]
+            if not load.args:
+                target += vals[0].sum()
+                continue
+            value, *idx = torch.broadcast_tensors(*vals)
+            idx = tuple(clamp_index(ix, target.shape[d]) for d, ix in enumerate(idx))
+            target.index_put_(idx, value.to(target.dtype), accumulate=True)
+        return out
+
+    # -- notebook ------------------------------------------------------------------------------------------------
+    def _repr_html_(self) -> str:
+        title = (f"<div><b>flexlab generated CuTeDSL</b> &middot; score_mod: <code>{html.escape(self._names[0])}"
+                 f"</code> &middot; mask_mod: <code>{html.escape(self._names[1])}</code> &middot; key "
+                 f"<code>{self.hash[:12]}</code></div>")
+        try:
+            from pygments import highlight
+            from pygments.formatters import HtmlFormatter
+            from pygments.lexers import PythonLexer
+        except ImportError:
+            return title + f"<pre>{html.escape(self.source)}</pre>"
+        return title + highlight(self.source, PythonLexer(), HtmlFormatter(noclasses=True, nobackground=True))
+
+    def __repr__(self) -> str:
+        return (f"GeneratedMods(score_mod={self._names[0]}, mask_mod={self._names[1]}, hash={self.hash[:12]}, "
+                f"aux_tensors={self.aux_tensor_names}, aux_scalars={dict(zip(self.aux_scalar_names, self.aux_scalars))})")
+
+
+def _mod_name(fn) -> str:
+    if fn is None:
+        return "none"
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or type(fn).__name__
+
+
+def _header(g, key: str, names: tuple[str, str], baked: dict) -> str:
+    lines = [f"CuTeDSL for score_mod `{names[0]}` and mask_mod `{names[1]}`, generated by flexlab.codegen "
+             f"(generator v{GENERATOR_VERSION}, key {key[:16]}).", "",
+             "Element-wise functions inlined by flexlab's attention kernels. b, h, q_idx, kv_idx are Int32; scores",
+             "and grads are Float32. aux_tensors / aux_scalars follow the order listed here:"]
+    for k, t in enumerate(g.aux_tensors):
+        grad = ", requires grad" if t.requires_grad else ""
+        lines.append(f"  aux_tensors[{k}]  {t.name}: {str(t.dtype).replace('torch.', '')}, rank {t.rank}{grad}")
+    for k, s in enumerate(g.aux_scalars):
+        dsl = {FLOAT: "Float32", INT: "Int32", BOOL: "Int32 0/1"}[s.kind]
+        lines.append(f"  aux_scalars[{k}]  {s.name}: {KIND_NAMES[s.kind]} ({dsl}, runtime argument)")
+    for name, value in sorted(baked.items()):
+        lines.append(f"  compiled-in constant {name} = {value!r} (steers Python control flow in the mod)")
+    lines.append("Indices into captured tensors are clamped into range, so padded tile positions read valid memory.")
+    return "\n".join(lines)
+
+
+def generate(score_mod=None, mask_mod=None) -> GeneratedMods:
+    """Trace `score_mod(score, b, h, q_idx, kv_idx)` and/or `mask_mod(b, h, q_idx, kv_idx)` into CuTeDSL.
+
+    Raises `flexlab.errors.UnsupportedModError` naming the op and the user's file:line when something cannot be
+    lowered.
+    """
+    traced = trace(score_mod, mask_mod)
+    g = traced.graph
+    aux_with_grad = {k for k, t in enumerate(g.aux_tensors) if t.requires_grad}
+    deriv = differentiate(g, traced.score_root, aux_with_grad) if traced.score_root is not None \
+        else Derivative(None, ())
+    roots = {"score_mod": traced.score_root, "mask_mod": traced.mask_root, "score_mod_bwd": deriv.d_score,
+             "aux_grad": [(t.load, t.value) for t in deriv.aux_terms]}
+    canonical = f"flexlab.codegen v{GENERATOR_VERSION}\n" + g.canonical_text(roots)
+    key = hashlib.sha256(canonical.encode()).hexdigest()
+    names = (_mod_name(score_mod), _mod_name(mask_mod))
+    source = emit_module(g, traced.score_root, traced.mask_root, deriv, _header(g, key, names, traced.baked))
+    return GeneratedMods(traced, deriv, source, key, names)
