@@ -8,7 +8,7 @@ import sys
 import torch
 
 from .peers import PEERS, parse_backends
-from .report import format_document, format_summary, write_json
+from .report import format_document, format_markdown, format_summary, merge_documents, write_json
 from .rows import ROW_SETS, select_rows
 from .runner import Settings, run
 
@@ -31,7 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rep-ms", type=float, default=None, help="do_bench repetition time per measurement (default 100)")
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds after which no new backend/row is started (the rest is marked skipped)")
-    p.add_argument("--show", default=None, metavar="JSON", help="print the tables of an existing result file and exit")
+    p.add_argument("--show", nargs="+", default=None, metavar="JSON",
+                   help="print the tables of existing result files (merged, later rows win) and exit")
+    p.add_argument("--markdown", action="store_true",
+                   help="with --show: print Markdown tables (wall-clock, then kernel time) for BENCHMARKS.md")
+    p.add_argument("--label", default=None, help="free text stored in the JSON settings, e.g. the commit measured")
     p.add_argument("--list", action="store_true", help="list the selected rows and exit")
     return p
 
@@ -39,8 +43,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.show:
-        with open(args.show) as f:
-            print(format_document(json.load(f)))
+        docs = []
+        for path in args.show:
+            with open(path) as f:
+                docs.append(json.load(f))
+        doc = merge_documents(docs)
+        if args.markdown:
+            print("Wall-clock ms per call (TFLOP/s):\n\n" + format_markdown(doc, "wall_ms"))
+            print("\nKernel-only ms per call (TFLOP/s):\n\n" + format_markdown(doc, "kernel_ms"))
+        else:
+            print(format_document(doc))
         return 0
     try:
         rows = select_rows(args.rows, args.only)
@@ -54,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(r.name for r in rows))
         return 0
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    settings = Settings(backends=backends, quick=args.quick, time_budget_s=args.time_budget)
+    settings = Settings(backends=backends, quick=args.quick, time_budget_s=args.time_budget, label=args.label)
     if args.quick:
         settings.warmup_ms, settings.rep_ms, settings.profile_calls = 2.0, 10.0, 2
     if args.warmup_ms is not None:

@@ -159,3 +159,55 @@ def format_document(doc: dict) -> str:
             f"{env.get('date_utc')}  (roof: {doc['matmul_ceiling_tflops']:.0f} TFLOP/s bf16 matmul)")
     blocks = [head, _HEAD] + [format_row(r) for r in doc["rows"]]
     return "\n".join(blocks) + "\n\n" + format_summary(doc["rows"])
+
+
+def merge_documents(docs: list[dict]) -> dict:
+    """Several runs (e.g. forward and backward rows measured in separate commands) as one document.
+
+    Rows keep their first-seen order; a row measured again in a later document replaces the earlier record.
+    """
+    if not docs:
+        raise ValueError("merge_documents needs at least one document")
+    rows: dict[str, dict] = {}
+    for doc in docs:
+        for rec in doc["rows"]:
+            if rec.get("results") or rec["name"] not in rows:
+                rows[rec["name"]] = rec
+    merged = document(docs[0]["environment"], docs[0].get("settings", {}), list(rows.values()))
+    merged["runs"] = [d["environment"] for d in docs]
+    return merged
+
+
+_MD_BACKENDS = (("flexlab", "flexlab"), ("flex-triton", "flex Triton"), ("flex-triton-autotune", "flex Triton max-autotune"),
+                ("flex-flash", "flex FLASH"), ("fa4", "FA4"), ("sdpa", "SDPA"))
+
+
+def _md_cell(r: dict | None, clock: str) -> str:
+    if not r:
+        return ""
+    status = r.get("status")
+    if status in ("ok", "wrong", "suspect") and isinstance(r.get(clock), (int, float)):
+        tflops = r.get("tflops" if clock == "wall_ms" else "tflops_kernel")
+        cell = f"{r[clock]:.3f}" + (f" ({tflops:.0f})" if isinstance(tflops, (int, float)) else "")
+        return cell if status == "ok" else f"{status}: {cell}"
+    return {"n/a": "n/a", "skipped": "not run", "error": "error"}.get(status, status or "")
+
+
+def format_markdown(doc: dict, clock: str = "wall_ms") -> str:
+    """A Markdown table of one clock ("wall_ms" or "kernel_ms"): ms per call and TFLOP/s in parentheses."""
+    header = ["row", "density"] + [label for _, label in _MD_BACKENDS] + ["best peer", "flexlab vs best",
+                                                                          "best % of roof"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for rec in doc["rows"]:
+        results = rec.get("results", {})
+        density = f"{rec['density']:.3f}" if isinstance(rec.get("density"), (int, float)) else "-"
+        cells = [rec["name"], density] + [_md_cell(results.get(name), clock) for name, _ in _MD_BACKENDS]
+        peer = best_peer(results)[0]
+        speedup = rec.get("flexlab_speedup_vs_best_peer")
+        roof = results.get(peer, {}).get("roof_pct") if peer else None
+        if peer and clock == "kernel_ms":
+            tk = results[peer].get("tflops_kernel")
+            roof = 100.0 * tk / doc["matmul_ceiling_tflops"] if tk else None
+        cells += [peer or "-", f"{speedup:.2f}x" if speedup else "-", f"{roof:.0f}%" if roof else "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

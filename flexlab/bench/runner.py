@@ -30,6 +30,7 @@ class Settings:
     time_budget_s: float | None = None   # stop starting new work after this many seconds
     seed: int = 0
     quick: bool = False
+    label: str | None = None              # free text saved with the results (commit, machine notes)
     backends: list[str] = field(default_factory=lambda: list(peers.DEFAULT_BACKENDS))
 
 
