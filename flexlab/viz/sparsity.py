@@ -3,7 +3,7 @@
 torch's ``print(block_mask)`` merges partial and full tiles, yet they cost different amounts: a full tile skips the
 mask_mod, a partial one evaluates it on every element, an empty one is never loaded. This module counts the three
 states per (b, h), turns them into work (FLOPs computed and skipped, kv tiles per Q tile), simulates how our
-persistent scheduler spreads the Q tiles over the SMs, and measures what building the mask cost.
+kernel's CTAs, issued heaviest Q tile first, spread over the SMs, and measures what building the mask cost.
 """
 from __future__ import annotations
 
@@ -97,13 +97,18 @@ def coarsen_states(states: torch.Tensor, q_factor: int, kv_factor: int) -> torch
 
 
 def lpt_order(work: torch.Tensor) -> torch.Tensor:
-    """Longest-processing-time-first: flat indices of ``work`` items, most work first (stable for ties).
+    """Flat indices into ``work`` (B, H, n_q_tiles) in the order our forward kernel issues its CTAs.
 
-    This is the order our persistent scheduler hands Q tiles to SMs, so the long rows start early and the short
-    ones fill the gaps at the end.
+    Same rule as the kernel's host side (``flexlab.runtime.sparsity``): Q tiles are ranked longest-processing-time
+    first by their work summed over batch and heads (stable for ties), and the grid is (heads, batch, rank), so
+    for each rank every head of every batch is issued, head fastest. The heavy tiles start first and the short
+    ones fill the tail of the last wave. A 1-D ``work`` is treated as (1, 1, n).
     """
-    flat = work.reshape(-1).to(torch.float64)
-    return torch.argsort(-flat, stable=True)
+    w = work.reshape(1, 1, -1) if work.dim() == 1 else work
+    B, H, nq = w.shape
+    rank = torch.argsort(-w.to(torch.float64).sum(dim=(0, 1)), stable=True)
+    bh = torch.arange(B * H)
+    return (bh[None, :] * nq + rank[:, None]).reshape(-1)
 
 
 def simulate_sms(work: torch.Tensor, order: torch.Tensor, num_sms: int) -> torch.Tensor:
@@ -201,21 +206,22 @@ class SparsityReport:
                 + self.partial_cost * (s == BLOCK_PARTIAL).sum(-1).to(torch.float64))
 
     def schedule(self) -> torch.Tensor:
-        """(n_items, 3) int64 rows (b, h, q_tile) in the order the scheduler runs them (most work first)."""
+        """(n_items, 3) int64 rows (b, h, q_tile) in the order the kernel issues them (heaviest Q tiles first)."""
         work = self.q_tile_work()
         order = lpt_order(work)
         B, H, nq = work.shape
         return torch.stack([order // (H * nq), (order // nq) % H, order % nq], dim=1)
 
     def sm_loads(self, order: str = "lpt") -> torch.Tensor:
-        """Work per SM (in kv tiles) for the LPT order or the naive row-major order (``order="naive"``)."""
+        """Work per SM (in kv tiles) for the kernel's ranked order or Q tiles in index order (``order="naive"``)."""
         key = f"loads_{order}"
         if key not in self._cache:
             work = self.q_tile_work()
             if order == "lpt":
                 idx = lpt_order(work)
-            elif order == "naive":
-                idx = torch.arange(work.numel())
+            elif order == "naive":                # the same grid without ranking: Q tiles in index order
+                B, H, nq = work.shape
+                idx = (torch.arange(B * H)[None, :] * nq + torch.arange(nq)[:, None]).reshape(-1)
             else:
                 raise FlexlabValueError(f"order must be 'lpt' or 'naive', got {order!r}")
             self._cache[key] = simulate_sms(work, idx, self.num_sms)
@@ -288,7 +294,7 @@ class SparsityReport:
                 ("FLOPs computed / dense", f"{st['flops_computed']:.3g} / {st['flops_dense']:.3g}"),
                 ("FLOPs skipped", f"{st['flops_skipped']:.3g} ({st['flops_skipped_share']:.2%})"),
                 (f"SM load imbalance ({self.num_sms} SMs, max/mean)",
-                 f"{st['sm_imbalance']:.3f}× LPT order, {st['sm_imbalance_naive']:.3f}× row-major")]
+                 f"{st['sm_imbalance']:.3f}× ranked order, {st['sm_imbalance_naive']:.3f}× index order")]
         if self.build_cost is not None:
             rows.append(("mask build", f"{self.build_cost.seconds * 1e3:.1f} ms, peak +"
                                        f"{self.build_cost.peak_host_bytes / 2**20:.1f} MiB host"
