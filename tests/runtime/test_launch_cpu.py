@@ -1,0 +1,24 @@
+"""Host-side pieces of the launch path that need no GPU."""
+from __future__ import annotations
+
+import torch
+
+from flexlab.backends import cute as backend
+from flexlab.runtime.launch import tma_ready
+
+
+def test_tma_ready_copies_only_when_needed():
+    t = torch.randn(2, 3, 40, 64, dtype=torch.bfloat16)
+    assert tma_ready(t) is t
+    bshd = torch.randn(2, 40, 3, 64, dtype=torch.bfloat16).transpose(1, 2)
+    assert tma_ready(bshd) is bshd  # strided but TMA-legal
+    odd = torch.randn(2, 3, 40, 65, dtype=torch.bfloat16)[..., :64]
+    assert tma_ready(odd) is not odd and tma_ready(odd).is_contiguous()
+    d_strided = torch.randn(2, 3, 64, 40, dtype=torch.bfloat16).transpose(-1, -2)
+    assert tma_ready(d_strided).stride(-1) == 1
+
+
+def test_cpu_tensors_are_not_supported_with_a_reason():
+    q = torch.randn(1, 2, 16, 64, dtype=torch.bfloat16)
+    ok, reason = backend.is_supported(q, q, q, None, None, None, False)
+    assert not ok and "CUDA" in reason
