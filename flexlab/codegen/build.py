@@ -32,10 +32,14 @@ class Builder:
         return self.g.const(value, kind)
 
     # -- conversions ------------------------------------------------------------------------------------------
-    def cast(self, a: int, kind: str, loc: Loc | None = None) -> int:
+    def cast(self, a: int, kind: str, loc: Loc | None = None, width: str = "default") -> int:
+        """Convert to `kind`. For floats, `width` records torch's dtype ("default" = implicit promotion, else
+        "float32"/"float64" from an explicit cast) so the evaluator reproduces torch's mixed precision; the kernel
+        computes every float in Float32 regardless."""
         node = self.g.nodes[a]
         if node.kind == kind:
-            return a
+            if kind != FLOAT or width == "default" or (node.op == "cast" and node.attr == (width,)):
+                return a
         if node.op == "const":
             v = node.attr[0]
             if kind == BOOL:
@@ -43,7 +47,7 @@ class Builder:
             if kind == INT:
                 return self.const(int(v), INT)  # float -> int truncates toward zero, like torch
             return self.g.const(float(v), FLOAT)
-        return self.g.add("cast", (a,), kind, (), loc)
+        return self.g.add("cast", (a,), kind, (width,) if kind == FLOAT else (), loc)
 
     def _promoted(self, args, loc, at_least: str = BOOL):
         kind = promote_kinds(at_least, *(self.g.kind(a) for a in args))

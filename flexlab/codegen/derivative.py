@@ -43,7 +43,10 @@ def _active_nodes(g: Graph, order: list[int], aux_with_grad: set[int]) -> set[in
             active.add(i)
         elif n.op == "load" and n.attr[0] in aux_with_grad:
             active.add(i)
-        elif n.op not in _NON_DIFFERENTIABLE and n.op not in ("input", "load", "cast", "const", "scalar"):
+        elif n.op == "cast":  # float -> float (an explicit .float()/.double()) passes gradients through
+            if n.args[0] in active:
+                active.add(i)
+        elif n.op not in _NON_DIFFERENTIABLE and n.op not in ("input", "load", "const", "scalar"):
             if any(a in active for a in n.args):
                 active.add(i)
     return active
@@ -110,6 +113,8 @@ def _local(b: Builder, op: str, args: tuple[int, ...], out: int, g: int, loc):
         return None, b.where(x, g, zero, loc), b.where(x, zero, g, loc)
     if op == "neg":
         return (neg(g),)
+    if op == "cast":
+        return (g,)
     if op == "abs":
         return (mul(g, b.unary("sign", x, loc)),)
     if op == "exp":

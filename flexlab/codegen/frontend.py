@@ -49,7 +49,8 @@ _UNARY = {
 _IDENTITY = ("clone", "detach", "contiguous", "requires_grad_", "cpu", "cuda")
 _CREATION = ("new_ones", "new_zeros", "new_full", "new_tensor", "ones_like", "zeros_like", "full_like", "full",
              "tensor", "scalar_tensor", "as_tensor", "ones", "zeros")
-_CASTS = {"float": FLOAT, "double": FLOAT, "int": INT, "long": INT, "short": INT, "bool": BOOL}
+_CASTS = {"float": (FLOAT, "float32"), "double": (FLOAT, "float64"), "int": (INT, ""), "long": (INT, ""),
+          "short": (INT, ""), "bool": (BOOL, "")}
 
 #: Every op name (torch function, Tensor method or Python operator, without underscores) the tracer accepts.
 SUPPORTED_OPS = tuple(sorted(set(_BINARY) | set(_UNARY) | set(_IDENTITY) | set(_CREATION) | set(_CASTS) | {
@@ -74,6 +75,10 @@ def _kind_of_dtype(dtype: torch.dtype, op: str, loc: Loc | None) -> str:
         raise _unsupported(f"cast to {dtype}", loc, "mods compute in float32 (kernel) / the evaluator's dtype; "
                                                      "use .float() instead of low-precision casts")
     return INT
+
+
+def _width(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "") if dtype in (torch.float32, torch.float64) else "default"
 
 
 def _unsupported(op: str, loc: Loc | None, hint: str | None) -> UnsupportedModError:
@@ -370,7 +375,8 @@ class Tracer:
         if op in _IDENTITY:
             return args[0]
         if op in _CASTS:
-            return self.wrap(self.b.cast(n(args[0]), _CASTS[op], loc))
+            kind, width = _CASTS[op]
+            return self.wrap(self.b.cast(n(args[0]), kind, loc, width or "default"))
         if op in ("to", "type", "type_as"):
             return self.wrap(self._to(op, args, kwargs, loc))
         if op in _CREATION:
@@ -402,7 +408,7 @@ class Tracer:
         if isinstance(target, torch.Tensor):
             target = target.dtype
         if isinstance(target, torch.dtype):
-            return self.b.cast(x, _kind_of_dtype(target, op, loc), loc)
+            return self.b.cast(x, _kind_of_dtype(target, op, loc), loc, _width(target))
         return x  # .to(device) and friends: mods have no device
 
     def _create(self, op, args, kwargs, loc):
@@ -422,7 +428,7 @@ class Tracer:
             raise _unsupported(f"{op} with shape {shape!r}", loc, "mods work on 0-d values; use shape ()")
         node = self.node_of(value, loc)
         if dtype is not None:
-            return self.b.cast(node, _kind_of_dtype(dtype, op, loc), loc)
+            return self.b.cast(node, _kind_of_dtype(dtype, op, loc), loc, _width(dtype))
         if isinstance(like, Proxy) and op.endswith("_like"):
             return self.b.cast(node, self.g.kind(like.node), loc)
         return node

@@ -35,13 +35,21 @@ class GeneratedMods:
     builds them. Captured tensors reach it converted by `kernel_aux_tensors()` (see `_KERNEL_DTYPE`).
     """
 
-    def __init__(self, traced, deriv: Derivative, source: str, key: str, names: tuple[str, str]):
+    def __init__(self, traced, deriv: Derivative, source: str, key: str, names: tuple[str, str], fns: tuple):
+        self._fns = fns
         self._traced = traced
         self._graph = traced.graph
         self._deriv = deriv
         self.source = source
         self.hash = key
         self._names = names
+
+    def refresh(self) -> "GeneratedMods":
+        """Trace the same functions again to pick up captured values changed since (e.g. a module-level constant).
+
+        Cheap (milliseconds); the hash, and so the compiled kernel, stays the same unless the structure changed.
+        """
+        return generate(*self._fns)
 
     # -- what the kernels read ------------------------------------------------------------------------------------
     @property
@@ -232,4 +240,4 @@ def generate(score_mod=None, mask_mod=None) -> GeneratedMods:
     key = hashlib.sha256(canonical.encode()).hexdigest()
     names = (_mod_name(score_mod), _mod_name(mask_mod))
     source = emit_module(g, traced.score_root, traced.mask_root, deriv, _header(g, key, names, traced.baked))
-    return GeneratedMods(traced, deriv, source, key, names)
+    return GeneratedMods(traced, deriv, source, key, names, (score_mod, mask_mod))

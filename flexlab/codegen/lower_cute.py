@@ -124,6 +124,8 @@ class FunctionEmitter:
         a = [self.value(j) for j in n.args]
         if n.op == "load":
             return self.load(i)
+        if n.op == "cast" and n.kind == FLOAT and self.g.nodes[n.args[0]].kind == FLOAT:
+            return a[0]  # .float()/.double() of a float: the kernel computes in Float32 either way
         return self.stmt(i, _base_name(n.op, n.kind), self.expr(n.op, n.kind, a, [self.g.nodes[j] for j in n.args]))
 
     def expr(self, op: str, kind: str, a: list[str], args) -> str:
@@ -183,8 +185,14 @@ class FunctionEmitter:
                 size = self.sizes[size_key]
                 self.comment_for(i)
                 wrapped = self.fresh(f"{t}_i{d}")
-                self.lines.append(f"{wrapped} = Int32(cutlass.select_({raw} < Int32(0), {raw} + {size}, {raw}))")
-                self.lines.append(f"{wrapped} = cutlass.max(cutlass.min({wrapped}, {size} - Int32(1)), Int32(0))")
+                index_node = self.g.nodes[j]
+                if index_node.op == "const":  # a literal index: wrap it here, clamp it in the kernel
+                    c = index_node.attr[0]
+                    raw = f"{size} - Int32({-c})" if c < 0 else raw
+                    self.lines.append(f"{wrapped} = cutlass.max(cutlass.min({raw}, {size} - Int32(1)), Int32(0))")
+                else:
+                    self.lines.append(f"{wrapped} = Int32(cutlass.select_({raw} < Int32(0), {raw} + {size}, {raw}))")
+                    self.lines.append(f"{wrapped} = cutlass.max(cutlass.min({wrapped}, {size} - Int32(1)), Int32(0))")
                 self.clamped[key] = wrapped
             out.append(self.clamped[key])
         return out

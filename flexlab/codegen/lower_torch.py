@@ -49,49 +49,93 @@ def clamp_index(index: torch.Tensor, size: int) -> torch.Tensor:
     return index.clamp(0, max(size - 1, 0))
 
 
-def _dtype(kind: str, env: Env) -> torch.dtype:
-    return {FLOAT: env.float_dtype, INT: torch.int64, BOOL: torch.bool}[kind]
+def _promote(vals, weak, args):
+    """torch's promotion among operands: weak values (Python numbers) adopt the dtype of strong ones."""
+    strong = [vals[j].dtype for j in args if not weak[j]]
+    kinds = [vals[j].dtype for j in args]
+    if not strong:
+        return _widest(kinds), True
+    return _widest(strong + [k for k in kinds if _category(k) > max(map(_category, strong))]), False
 
 
-def _cast(x: torch.Tensor, kind: str, env: Env) -> torch.Tensor:
-    if kind == BOOL:
-        return x != 0
-    return x.to(_dtype(kind, env))
+def _category(dtype: torch.dtype) -> int:
+    return 0 if dtype == torch.bool else 2 if dtype.is_floating_point else 1
+
+
+def _widest(dtypes) -> torch.dtype:
+    out = dtypes[0]
+    for d in dtypes[1:]:
+        out = torch.promote_types(out, d)
+    return out
 
 
 def evaluate(graph: Graph, roots: list[int], env: Env) -> list[torch.Tensor]:
-    """Evaluate `roots` (node ids) with torch; returns one tensor per root (broadcast shapes)."""
+    """Evaluate `roots` (node ids) with torch; returns one tensor per root (broadcast shapes).
+
+    Float precision follows torch: the score is in `env.float_dtype`, ints promoted implicitly become the default
+    dtype, explicit .float()/.double() casts are honoured, Python numbers are weak. Ints are int64.
+    """
     vals: dict[int, torch.Tensor] = {}
+    weak: dict[int, bool] = {}
+    dev = env.device
     for i in graph.needed(roots):
         n = graph.nodes[i]
         a = [vals[j] for j in n.args]
+        is_weak = False
         if n.op == "input":
-            vals[i] = _cast(torch.as_tensor(env.inputs[n.attr[0]], device=env.device), n.kind, env)
-        elif n.op == "const":
-            vals[i] = torch.tensor(n.attr[0], dtype=_dtype(n.kind, env), device=env.device)
-        elif n.op == "scalar":
-            vals[i] = torch.tensor(env.scalars[n.attr[0]], dtype=_dtype(n.kind, env), device=env.device)
+            x = torch.as_tensor(env.inputs[n.attr[0]], device=dev)
+            x = x.to(env.float_dtype) if n.kind == FLOAT else x.to(torch.int64) if n.kind == INT else x != 0
+        elif n.op in ("const", "scalar"):
+            value = n.attr[0] if n.op == "const" else env.scalars[n.attr[0]]
+            x = torch.tensor(value, dtype={FLOAT: torch.float64, INT: torch.int64, BOOL: torch.bool}[n.kind],
+                             device=dev)
+            is_weak = True
         elif n.op == "cast":
-            vals[i] = _cast(a[0], n.kind, env)
+            src, src_weak = a[0], weak[n.args[0]]
+            if n.kind == BOOL:
+                x, is_weak = src != 0, src_weak
+            elif n.kind == INT:
+                x, is_weak = src.to(torch.int64), src_weak
+            elif n.attr and n.attr[0] != "default":
+                x = src.to(getattr(torch, n.attr[0]))
+            elif src.dtype.is_floating_point:
+                x, is_weak = src, src_weak
+            else:
+                x, is_weak = src.to(torch.float64 if src_weak else torch.get_default_dtype()), src_weak
         elif n.op == "load":
             t = env.aux_tensors[n.attr[0]]
             if t.dim() == 0:
-                vals[i] = _cast(t.to(env.device), n.kind, env)
-                continue
-            idx = torch.broadcast_tensors(*a)
-            idx = tuple(clamp_index(ix.to(t.device), t.shape[d]) for d, ix in enumerate(idx))
-            vals[i] = _cast(t[idx].to(env.device), n.kind, env)
-        elif n.op == "where":
-            vals[i] = torch.where(*a)
-        elif n.op in _UNARY:
-            vals[i] = _UNARY[n.op](a[0])
-        elif n.op in _BINARY:
-            vals[i] = _BINARY[n.op](a[0], a[1])
-        else:  # pragma: no cover - the op table and the IR are defined together
-            raise KeyError(f"evaluator has no rule for op {n.op!r}")
-        if vals[i].dtype != _dtype(n.kind, env):
-            vals[i] = _cast(vals[i], n.kind, env)
-    return [vals[r] for r in roots]
+                x, is_weak = t.to(dev), True  # a 0-d tensor does not decide the dtype, like in torch
+            else:
+                idx = torch.broadcast_tensors(*a)
+                idx = tuple(clamp_index(ix.to(t.device), t.shape[d]) for d, ix in enumerate(idx))
+                x = t[idx].to(dev)
+            if n.kind == INT:
+                x = x.to(torch.int64)
+            elif n.kind == BOOL:
+                x = x != 0
+        else:
+            operands = n.args[1:] if n.op == "where" else n.args
+            dtype, is_weak = _promote(vals, weak, operands)
+            if n.kind == FLOAT and not dtype.is_floating_point:
+                dtype = torch.get_default_dtype()  # only reached by float ops on constant-only operands
+            a = [vals[j] if j not in operands or vals[j].dtype == dtype else vals[j].to(dtype) for j in n.args]
+            if n.op == "where":
+                x = torch.where(*a)
+            elif n.op in _UNARY:
+                x = _UNARY[n.op](a[0])
+            elif n.op in _BINARY:
+                x = _BINARY[n.op](a[0], a[1])
+            else:  # pragma: no cover - the op table and the IR are defined together
+                raise KeyError(f"evaluator has no rule for op {n.op!r}")
+        vals[i], weak[i] = x, is_weak
+    out = []
+    for r in roots:
+        x = vals[r]
+        if graph.nodes[r].kind == FLOAT and weak[r]:
+            x = x.to(env.float_dtype)
+        out.append(x)
+    return out
 
 
 def const_fold(graph: Graph, node: int):
