@@ -1,0 +1,224 @@
+"""Render the gallery as one static HTML page: pictures, code and the latest measured numbers of every variant.
+
+    python gallery/_render.py [--out gallery/index.html] [--results benchmarks/results]
+
+The page is self-contained (pictures are small PNGs embedded as data URIs, no scripts, no CDN), so it can be
+opened from disk, attached to a report or served by any static host. Pictures are drawn here with a tiny PNG
+encoder rather than plotly + kaleido, which would need a browser to export images.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import json
+import struct
+import zlib
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+MAX_PIXELS = 192  # longest side of a heatmap
+BLOCK_SIZE = 128  # the kernel tile the block map is drawn at
+
+# (r, g, b) for block states 0 = empty, 1 = partial, 2 = full
+BLOCK_COLOURS = torch.tensor([[245, 245, 245], [244, 162, 54], [33, 102, 172]], dtype=torch.uint8)
+
+
+def png_bytes(rgb: torch.Tensor) -> bytes:
+    """Encode an (H, W, 3) uint8 tensor as a PNG file (8-bit RGB, no interlace)."""
+    height, width, _ = rgb.shape
+    rows = torch.cat([torch.zeros(height, 1, dtype=torch.uint8), rgb.reshape(height, width * 3)], dim=1)
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
+            + chunk(b"IDAT", zlib.compress(rows.contiguous().numpy().tobytes(), 9)) + chunk(b"IEND", b""))
+
+
+def _data_uri(rgb: torch.Tensor) -> str:
+    return "data:image/png;base64," + base64.b64encode(png_bytes(rgb)).decode()
+
+
+def _pool(values: torch.Tensor, max_pixels: int = MAX_PIXELS) -> torch.Tensor:
+    """Average (Q, KV) values over cells so the longest side is at most `max_pixels`."""
+    q, kv = values.shape
+    cell = max(1, -(-max(q, kv) // max_pixels))
+    pad = (0, (-kv) % cell, 0, (-q) % cell)
+    padded = torch.nn.functional.pad(values[None, None].double(), pad, value=float("nan"))
+    windows = padded.unfold(2, cell, cell).unfold(3, cell, cell)
+    return windows.nanmean(dim=(-1, -2))[0, 0]
+
+
+def _upscale(rgb: torch.Tensor, min_pixels: int = MAX_PIXELS) -> torch.Tensor:
+    factor = max(1, min_pixels // max(rgb.shape[:2]))
+    return rgb.repeat_interleave(factor, 0).repeat_interleave(factor, 1)
+
+
+def density_image(kept: torch.Tensor) -> torch.Tensor:
+    """Kept fraction per cell: white (masked) to dark blue (kept)."""
+    frac = _pool(kept.float()).clamp(0, 1)
+    white, blue = torch.tensor([255.0, 255.0, 255.0]), torch.tensor([8.0, 48.0, 107.0])
+    rgb = white + frac[..., None] * (blue - white)
+    return _upscale(rgb.round().to(torch.uint8))
+
+
+def score_image(delta: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+    """What score_mod adds to a score of 0, diverging red (up) / blue (down); masked pairs grey."""
+    values = delta.double().masked_fill(~kept, float("nan")) if kept is not None else delta.double()
+    pooled = _pool(values)
+    finite = pooled[torch.isfinite(pooled)]
+    span = finite.abs().max().item() if finite.numel() else 1.0
+    t = (pooled / (span or 1.0)).clamp(-1, 1)
+    white = torch.tensor([247.0, 247.0, 247.0])
+    red, blue = torch.tensor([178.0, 24.0, 43.0]), torch.tensor([33.0, 102.0, 172.0])
+    rgb = torch.where(t[..., None] >= 0, white + t[..., None] * (red - white), white - t[..., None] * (blue - white))
+    rgb = torch.where(torch.isfinite(t)[..., None], rgb, torch.tensor([200.0, 200.0, 200.0]))
+    return _upscale(rgb.round().to(torch.uint8))
+
+
+def block_image(states: torch.Tensor) -> torch.Tensor:
+    """One square per kernel tile: empty (light), partial (orange), full (blue), with a 1-pixel grid."""
+    n_q, n_kv = states.shape
+    size = max(2, min(24, MAX_PIXELS // max(n_q, n_kv)))
+    rgb = BLOCK_COLOURS[states.long()]
+    rgb = rgb.repeat_interleave(size, 0).repeat_interleave(size, 1).clone()
+    rgb[::size, :] = 255
+    rgb[:, ::size] = 255
+    return rgb
+
+
+def variant_pictures(variant, B: int = 1, H: int = 1) -> dict[str, torch.Tensor]:
+    """The pictures of one variant at its example lengths, for batch 0 and head 0."""
+    import flexlab
+    from flexlab.mods import evaluate_mask_mod, evaluate_score_mod, index_grid
+
+    q_len, kv_len = variant.example_lengths
+    mods = variant.build(B, H, q_len, kv_len)
+    grid = index_grid(1, 1, q_len, kv_len, "cpu")
+    pictures = {}
+    kept = None
+    if mods.mask_mod is not None:
+        kept = evaluate_mask_mod(mods.mask_mod, *grid)[0, 0]
+        pictures["mask"] = density_image(kept)
+        block_mask = flexlab.create_block_mask(mods.mask_mod, 1, 1, q_len, kv_len, BLOCK_SIZE=BLOCK_SIZE)
+        pictures["blocks"] = block_image(flexlab.block_states(block_mask)[0, 0])
+    if mods.score_mod is not None and variant.name != "noop":
+        zeros = torch.zeros(1, 1, q_len, kv_len, dtype=torch.float64)
+        pictures["score"] = score_image(evaluate_score_mod(mods.score_mod, zeros, *grid)[0, 0], kept)
+    if not pictures:
+        pictures["mask"] = density_image(torch.ones(q_len, kv_len, dtype=torch.bool))
+    return pictures
+
+
+def latest_results(results_dir: Path) -> dict[str, list[dict]]:
+    """Benchmark rows per gallery variant, from the newest results file that measured it."""
+    rows: dict[str, list[dict]] = {}
+    newest: dict[str, str] = {}
+    for path in sorted(results_dir.glob("*.json")) if results_dir.is_dir() else []:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        stamp = str(data.get("environment", {}).get("date_utc", "")) + path.name
+        for row in data.get("rows", []):
+            mods = str(row.get("mods", ""))
+            names = {row.get("variant")} | {part.split(":", 1)[1] for part in mods.replace("+", ",").split(",")
+                                             if part.strip().startswith("gallery:")}
+            for name in filter(None, names):
+                name = name.strip()
+                if stamp > newest.get(name, ""):
+                    newest[name], rows[name] = stamp, []
+                if stamp == newest[name]:
+                    rows[name].append(dict(row, _file=path.name, _gpu=data.get("environment", {}).get("gpu", "")))
+    return rows
+
+
+def _numbers_table(rows: list[dict]) -> str:
+    if not rows:
+        return "<p class='muted'>No GPU measurement of this variant yet.</p>"
+    out = []
+    for row in rows:
+        cells = []
+        for backend, res in row.get("results", {}).items():
+            if res.get("status") == "ok":
+                cells.append(f"<tr><td>{html.escape(backend)}</td><td>{res.get('wall_ms', float('nan')):.3f}</td>"
+                             f"<td>{res.get('tflops', float('nan')):.0f}</td>"
+                             f"<td>{res.get('rel_l2', {}).get('out', float('nan')):.1e}</td></tr>")
+            else:
+                reason = html.escape(str(res.get("error", res.get("status", ""))))[:140]
+                cells.append(f"<tr><td>{html.escape(backend)}</td><td colspan='3' class='muted'>{reason}</td></tr>")
+        out.append(f"<p><b>{html.escape(row.get('name', ''))}</b> <span class='muted'>({html.escape(row['_gpu'])}, "
+                   f"{html.escape(row['_file'])})</span></p><table class='nums'><tr><th>backend</th><th>ms</th>"
+                   f"<th>TFLOPS</th><th>rel-L2 vs fp64</th></tr>{''.join(cells)}</table>")
+    return "".join(out)
+
+
+_CSS = """
+body{font-family:system-ui,sans-serif;margin:2rem auto;max-width:1100px;color:#222;padding:0 1rem}
+.card{border:1px solid #ddd;border-radius:8px;padding:1rem 1.2rem;margin:1.2rem 0}
+.card h2{margin:.2rem 0}.kind{font-size:.8rem;background:#eef;border-radius:4px;padding:1px 6px;margin-left:.5rem}
+.pics{display:flex;gap:1rem;flex-wrap:wrap}.pics figure{margin:0}.pics figcaption{font-size:.8rem;color:#555}
+pre{background:#f6f8fa;padding:.7rem;border-radius:6px;overflow-x:auto;font-size:.8rem}
+table{border-collapse:collapse;font-size:.85rem}td,th{border:1px solid #ddd;padding:2px 8px;text-align:left}
+.muted{color:#777;font-size:.85rem}nav a{margin-right:.6rem;font-size:.85rem}
+"""
+
+_CAPTIONS = {"mask": "mask (kept fraction)", "score": "score_mod(0) (red +, blue -)",
+             "blocks": f"blocks at {BLOCK_SIZE}x{BLOCK_SIZE} (blue full, orange partial)"}
+
+
+def render_card(variant, pictures: dict[str, torch.Tensor], rows: list[dict]) -> str:
+    q_len, kv_len = variant.example_lengths
+    params = "".join(f"<tr><td><code>{p.name}</code></td><td>{p.default}</td><td>{p.min} .. {p.max} "
+                     f"(step {p.step})</td><td>{html.escape(p.description)}</td></tr>" for p in variant.params)
+    params_html = (f"<table><tr><th>parameter</th><th>default</th><th>range</th><th></th></tr>{params}</table>"
+                   if params else "<p class='muted'>No parameters.</p>")
+    figures = "".join(f"<figure><img alt='{variant.name} {kind}' src='{_data_uri(img)}'>"
+                      f"<figcaption>{_CAPTIONS[kind]}</figcaption></figure>" for kind, img in pictures.items())
+    builtin = html.escape(variant.builtin_equivalent) if variant.builtin_equivalent else "none"
+    return f"""<section class="card" id="{variant.name}">
+<h2>{variant.name}<span class="kind">{variant.kind}</span></h2>
+<p>{html.escape(variant.description)} <a href="{html.escape(variant.paper)}">paper</a></p>
+<p class="muted">Lengths: {html.escape(variant.lengths_rule)}. Nearest built-in: <code>{builtin}</code>.
+Pictures at Q_LEN={q_len}, KV_LEN={kv_len}, b=0, h=0.</p>
+<div class="pics">{figures}</div>
+{params_html}
+<pre><code>{html.escape(variant.source)}</code></pre>
+{_numbers_table(rows)}
+</section>"""
+
+
+def render_page(variants: dict, results_dir: Path) -> str:
+    results = latest_results(results_dir)
+    nav = "".join(f"<a href='#{name}'>{name}</a>" for name in variants)
+    cards = "\n".join(render_card(v, variant_pictures(v), results.get(name, [])) for name, v in variants.items())
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>flexlab gallery</title><style>{_CSS}</style></head>
+<body><h1>flexlab gallery: {len(variants)} attention variants</h1>
+<p>Each variant is one file in <code>gallery/</code>: a <code>generate_*</code> factory with the mods and a
+<code>VARIANT</code> record. Load one with <code>flexlab.gallery.get_variant(name).build(B, H, Q_LEN, KV_LEN)</code>.
+Every variant is tested on CPU against an independent float64 rewrite and torch's flex_attention.</p>
+<nav>{nav}</nav>
+{cards}
+</body></html>
+"""
+
+
+def main(argv=None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=HERE / "index.html")
+    parser.add_argument("--results", type=Path, default=HERE.parent / "benchmarks" / "results")
+    args = parser.parse_args(argv)
+    from flexlab.gallery import load_gallery
+    args.out.write_text(render_page(load_gallery(), args.results))
+    return args.out
+
+
+if __name__ == "__main__":
+    import sys
+    sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing flexlab
+    print(main())
