@@ -7,6 +7,7 @@ selves; the profiler's kernel names are a second guard against a silent fall-bac
 from __future__ import annotations
 
 import gc
+import re
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
@@ -44,8 +45,12 @@ def configure_dynamo() -> None:
         cfg.fail_on_recompile_limit_hit = True
 
 
+_ABS_PATH = re.compile(r"(?:/[\w.+-]+)+/([\w.+-]+)")
+
+
 def _error_text(err: BaseException, limit: int = 600) -> str:
-    text = f"{type(err).__name__}: {err}".strip()
+    """One-line error for the JSON: absolute paths cut to their file name (results are shared across machines)."""
+    text = _ABS_PATH.sub(r"\1", f"{type(err).__name__}: {err}".strip())
     return text if len(text) <= limit else text[:limit] + " ..."
 
 
@@ -65,7 +70,7 @@ def _sync(device: torch.device) -> None:
 
 
 def run_backend(name: str, row: Row, case, q, k, v, dout, block_mask, ref, flops, settings: Settings,
-                device) -> dict:
+                device, log=print) -> dict:
     """One backend on one row: prepare, first call (compile), check, time. Never raises."""
     prepare, expect = peers.PEERS[name]
     grad = row.mode == FWD_BWD
@@ -74,6 +79,7 @@ def run_backend(name: str, row: Row, case, q, k, v, dout, block_mask, ref, flops
     except (peers.Unavailable, BackendUnavailableError) as err:
         return {"status": "n/a", "error": str(err)}
     except Exception as err:
+        log(f"{name} on {row.name} failed to prepare:\n{traceback.format_exc(limit=8)}")
         return {"status": "error", "error": _error_text(err)}
     ql, kl, vl = prepared.inputs
     dout_native = prepared.from_bhsd(dout) if grad else None
@@ -109,7 +115,8 @@ def run_backend(name: str, row: Row, case, q, k, v, dout, block_mask, ref, flops
     except (peers.Unavailable, BackendUnavailableError) as err:
         return {"status": "n/a", "error": str(err)}
     except Exception as err:
-        return {"status": "error", "error": _error_text(err), "traceback": traceback.format_exc(limit=6)[-2000:]}
+        log(f"{name} on {row.name} failed:\n{traceback.format_exc(limit=8)}")
+        return {"status": "error", "error": _error_text(err)}
     finally:
         del prepared
     record["wall_ms"] = timing.wall_ms
@@ -155,7 +162,7 @@ def run_row(row: Row, settings: Settings, device: torch.device, deadline: float 
         if deadline is not None and time.monotonic() > deadline:
             results[name] = {"status": "skipped", "error": "time budget spent"}
             continue
-        results[name] = run_backend(name, row, case, q, k, v, dout, block_mask, ref, flops, settings, device)
+        results[name] = run_backend(name, row, case, q, k, v, dout, block_mask, ref, flops, settings, device, log)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -167,7 +174,7 @@ def run_row(row: Row, settings: Settings, device: torch.device, deadline: float 
 def run(rows: list[Row], settings: Settings, device: torch.device, json_path=None, log=print) -> dict:
     """Run `rows` in order, printing each row's table as it finishes and rewriting `json_path` after each row."""
     configure_dynamo()
-    deadline = time.monotonic() + settings.time_budget_s if settings.time_budget_s else None
+    deadline = None if settings.time_budget_s is None else time.monotonic() + settings.time_budget_s
     doc = document(environment(device), {k: v for k, v in asdict(settings).items()}, [])
     for row in rows:
         if deadline is not None and time.monotonic() > deadline:

@@ -1,0 +1,52 @@
+"""Tables and JSON of the benchmark: best-peer choice, formatting, merging."""
+import json
+
+from flexlab.bench.report import (best_peer, format_document, format_markdown, merge_documents, summarize_row,
+                                  write_json)
+
+
+def _row(name="fwd causal B1 S4k H16 D128 bf16", **results):
+    rec = {"name": name, "density": 0.5, "flops": 1e12, "results": results}
+    summarize_row(rec)
+    return rec
+
+
+def _ok(ms, tflops=100.0):
+    return {"status": "ok", "wall_ms": ms, "kernel_ms": ms * 0.9, "tflops": tflops, "tflops_kernel": tflops * 1.1,
+            "roof_pct": tflops / 7.9, "rel_l2": {"out": 2e-3}}
+
+
+def test_best_peer_ignores_flexlab_wrong_and_suspect_results():
+    rec = _row(flexlab=_ok(0.1), sdpa=_ok(0.5), fa4={**_ok(0.2), "status": "wrong"},
+               **{"flex-triton": {**_ok(0.3), "status": "suspect"}, "flex-flash": _ok(0.4)})
+    assert best_peer(rec["results"]) == ("flex-flash", 0.4)
+    assert rec["flexlab_speedup_vs_best_peer"] == 0.4 / 0.1
+    assert _row(sdpa={"status": "n/a", "error": "x"})["best_peer"] is None
+
+
+def test_text_and_markdown_tables(tmp_path):
+    rec = _row(flexlab={"status": "n/a", "error": "no kernel"}, sdpa=_ok(0.479, 574.4),
+               fa4={"status": "error", "error": "RuntimeError: boom"})
+    doc = {"schema": 1, "environment": {"gpu": "H200", "torch": "2.11"}, "settings": {},
+           "matmul_ceiling_tflops": 790.0, "rows": [rec]}
+    text = format_document(doc)
+    assert "sdpa" in text and "0.479" in text and "574.4" in text and "RuntimeError: boom" in text
+    assert "best peer: sdpa 0.479 ms; flexlab: no result" in text
+    md = format_markdown(doc)
+    line = md.splitlines()[2]
+    assert line.startswith("| fwd causal B1 S4k") and "0.479 (574)" in line and "| n/a |" in line
+    assert "| error |" in line and "| sdpa |" in line and "73%" in line
+    path = tmp_path / "out" / "r.json"
+    write_json(doc, path)
+    assert json.loads(path.read_text()) == doc
+
+
+def test_merge_prefers_measured_rows_and_keeps_order():
+    skipped = {"name": "b", "density": None, "flops": None, "skipped": "time budget spent", "results": {}}
+    first = {"environment": {"run": 1}, "rows": [_row("a", sdpa=_ok(1.0)), skipped]}
+    second = {"environment": {"run": 2}, "rows": [_row("b", sdpa=_ok(2.0)), _row("c", sdpa=_ok(3.0))]}
+    merged = merge_documents([first, second])
+    assert [r["name"] for r in merged["rows"]] == ["a", "b", "c"]
+    assert merged["rows"][1]["results"]["sdpa"]["wall_ms"] == 2.0
+    assert [e["run"] for e in merged["runs"]] == [1, 2]
+    assert "not run: time budget spent" in format_document({**merged, "rows": [skipped]})
