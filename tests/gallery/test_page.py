@@ -1,0 +1,83 @@
+"""The static gallery page: PNG encoding, pictures that reflect the mask, and benchmark numbers picked up."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import struct
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from flexlab.gallery import get_variant
+
+_spec = importlib.util.spec_from_file_location("gallery_render", Path(__file__).parents[2] / "gallery" / "_render.py")
+render = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(render)
+
+
+def _decode_png(data: bytes) -> torch.Tensor:
+    """Minimal decoder for the encoder's own output (8-bit RGB, filter 0 on every row)."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, size = 8, b"", None
+    while pos < len(data):
+        (length,), kind = struct.unpack(">I", data[pos:pos + 4]), data[pos + 4:pos + 8]
+        body = data[pos + 8:pos + 8 + length]
+        crc = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])[0]
+        assert crc == zlib.crc32(kind + body) & 0xFFFFFFFF
+        if kind == b"IHDR":
+            size = struct.unpack(">II", body[:8])
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + length
+    width, height = size
+    raw = torch.frombuffer(bytearray(zlib.decompress(idat)), dtype=torch.uint8).reshape(height, 1 + 3 * width)
+    assert (raw[:, 0] == 0).all()
+    return raw[:, 1:].reshape(height, width, 3)
+
+
+def test_png_round_trip():
+    rgb = torch.randint(0, 256, (7, 5, 3), dtype=torch.uint8)
+    assert torch.equal(_decode_png(render.png_bytes(rgb)), rgb)
+
+
+def test_causal_picture_is_lower_triangular():
+    pics = render.variant_pictures(get_variant("causal"))
+    mask = _decode_png(render.png_bytes(pics["mask"])).int()
+    n = mask.shape[0]
+    assert mask[n - 1, 0].sum() < 200 and mask[0, n - 1].sum() > 700  # bottom-left kept (dark), top-right white
+    blocks = render.block_image(torch.tensor([[1, 0], [2, 1]], dtype=torch.int8))
+    assert tuple(blocks[-2, 1].tolist()) == tuple(render.BLOCK_COLOURS[2].tolist())
+
+
+def test_score_picture_for_a_score_variant():
+    pics = render.variant_pictures(get_variant("alibi"))
+    assert set(pics) == {"score"}
+    pics = render.variant_pictures(get_variant("gemma2_local"))
+    assert set(pics) == {"mask", "blocks", "score"}
+
+
+def test_latest_results_and_card(tmp_path):
+    row = {"name": "fwd causal B1 S1k", "variant": "causal", "mods": "gallery:causal",
+           "results": {"flexlab": {"status": "ok", "wall_ms": 0.123, "tflops": 456.0, "rel_l2": {"out": 2e-3}},
+                       "sdpa": {"status": "n/a", "error": "cannot express it"}}}
+    old = dict(row, results={"flexlab": {"status": "ok", "wall_ms": 9.0, "tflops": 1.0, "rel_l2": {"out": 1e-3}}})
+    (tmp_path / "a.json").write_text(json.dumps({"environment": {"date_utc": "2026-01-01", "gpu": "H200"},
+                                                 "rows": [old]}))
+    (tmp_path / "b.json").write_text(json.dumps({"environment": {"date_utc": "2026-02-01", "gpu": "H200"},
+                                                 "rows": [row]}))
+    results = render.latest_results(tmp_path)
+    assert [r["results"]["flexlab"]["wall_ms"] for r in results["causal"]] == [0.123]
+    v = get_variant("causal")
+    card = render.render_card(v, render.variant_pictures(v), results["causal"])
+    assert "0.123" in card and "456" in card and "cannot express it" in card
+    assert card.count("data:image/png;base64,") == 2 and "def generate_causal" in card
+    assert "No GPU measurement" in render.render_card(v, {}, [])
+
+
+def test_committed_page_lists_every_variant():
+    from flexlab.gallery import load_gallery
+    page = (Path(__file__).parents[2] / "gallery" / "index.html").read_text()
+    for name in load_gallery():
+        assert f'id="{name}"' in page, f"gallery/index.html is stale: run python gallery/_render.py ({name})"
