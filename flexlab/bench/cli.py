@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         doc = merge_documents(docs)
         if args.markdown:
             print("Wall-clock ms per call (TFLOP/s):\n\n" + format_markdown(doc, "wall_ms"))
-            print("\nKernel-only ms per call (TFLOP/s); best peer as chosen by wall-clock:\n\n" + format_markdown(doc, "kernel_ms"))
+            print("\nKernel-only ms per call (TFLOP/s); best peer as chosen by wall-clock:\n\n"
+                  + format_markdown(doc, "kernel_ms"))
         else:
             print(format_document(doc))
         return 0

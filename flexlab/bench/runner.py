@@ -69,6 +69,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _timed_call(prepared: peers.Prepared, grad: bool, dout_native):
+    """The call as a user makes it: a forward under no_grad, or a forward+backward from fresh gradients."""
+    if not grad:
+        def forward():
+            with torch.no_grad():
+                return prepared.call()
+        return forward
+
+    def forward_backward():
+        for t in prepared.inputs:
+            t.grad = None
+        out = prepared.call()
+        out.backward(dout_native)
+        return out
+    return forward_backward
+
+
 def run_backend(name: str, row: Row, case, q, k, v, dout, block_mask, ref, flops, settings: Settings,
                 device, log=print) -> dict:
     """One backend on one row: prepare, first call (compile), check, time. Never raises."""
@@ -81,30 +98,14 @@ def run_backend(name: str, row: Row, case, q, k, v, dout, block_mask, ref, flops
     except Exception as err:
         log(f"{name} on {row.name} failed to prepare:\n{traceback.format_exc(limit=8)}")
         return {"status": "error", "error": _error_text(err)}
-    ql, kl, vl = prepared.inputs
-    dout_native = prepared.from_bhsd(dout) if grad else None
-
-    if grad:
-        def fn():
-            for t in (ql, kl, vl):
-                t.grad = None
-            prepared.call().backward(dout_native)
-    else:
-        def fn():
-            with torch.no_grad():
-                return prepared.call()
+    fn = _timed_call(prepared, grad, prepared.from_bhsd(dout) if grad else None)
     record: dict = {}
     try:
         t0 = time.perf_counter()
-        if grad:
-            out = prepared.call()
-            out.backward(dout_native)
-        else:
-            with torch.no_grad():
-                out = prepared.call()
+        out = fn()
         _sync(device)
-        record["first_call_s"] = round(time.perf_counter() - t0, 3)
-        grads = tuple(prepared.to_bhsd(t.grad) if t.grad is not None else None for t in (ql, kl, vl)) if grad \
+        record["first_call_s"] = round(time.perf_counter() - t0, 3)  # mostly compilation
+        grads = tuple(None if t.grad is None else prepared.to_bhsd(t.grad) for t in prepared.inputs) if grad \
             else None
         verdict = check.compare(ref, prepared.to_bhsd(out.detach()), grads, row.torch_dtype)
         del out, grads
@@ -117,8 +118,6 @@ def run_backend(name: str, row: Row, case, q, k, v, dout, block_mask, ref, flops
     except Exception as err:
         log(f"{name} on {row.name} failed:\n{traceback.format_exc(limit=8)}")
         return {"status": "error", "error": _error_text(err)}
-    finally:
-        del prepared
     record["wall_ms"] = timing.wall_ms
     record["kernel_ms"] = timing.kernel_ms
     record["tflops"] = flops / (timing.wall_ms * 1e-3) / 1e12
