@@ -178,7 +178,8 @@ def merge_documents(docs: list[dict]) -> dict:
     return merged
 
 
-_MD_BACKENDS = (("flexlab", "flexlab"), ("flex-triton", "flex Triton"), ("flex-triton-autotune", "flex Triton max-autotune"),
+_MD_BACKENDS = (("flexlab", "flexlab"), ("flex-triton", "flex Triton"),
+                ("flex-triton-autotune", "flex Triton max-autotune"),
                 ("flex-flash", "flex FLASH"), ("fa4", "FA4"), ("sdpa", "SDPA"))
 
 

@@ -51,7 +51,7 @@ class Row:
         return f"{self.mode} {self.variant} B{self.B} S{_short(self.S)} H{self.H} D{self.D} {self.dtype}"
 
     def flops(self, density: float) -> float:
-        """Matmul FLOPs of this row: 4·B·H·S·S·D·density forward (QKᵀ and PV), times 3.5 for forward+backward."""
+        """Matmul FLOPs: 4·B·H·S·S·D·density forward (QKᵀ and PV), times 3.5 for forward+backward."""
         return attention_flops(self.B, self.H, self.S, self.S, self.D, density, self.mode)
 
     def shrunk(self, S: int = 256, H: int = 2, D: int | None = None) -> "Row":
