@@ -57,17 +57,17 @@ class FwdConfig:
             return f"tile_n={self.tile_n} must be a multiple of 16 in [16, 256] (wgmma N and K granularity)"
         if self.num_stages < 2:
             return f"num_stages={self.num_stages}: K/V need at least 2 stages to overlap loads with math"
-        if self.pingpong and self.num_consumer_wgs != 2:
-            return "pingpong scheduling alternates exactly two consumer warpgroups"
+        if self.pingpong and self.num_consumer_wgs < 2:
+            return "pingpong scheduling needs at least two consumer warpgroups to alternate"
         if self.smem_bytes() > SMEM_BYTES_SM90:
             return f"needs {self.smem_bytes()} bytes of shared memory, sm90 has {SMEM_BYTES_SM90}"
         producer, consumer = self.register_split
         if 128 * producer + 128 * self.num_consumer_wgs * consumer > REGISTERS_PER_SM:
             return "register split exceeds 64K registers per CTA"
         # Per consumer thread: S accumulator (tile_n/2 fp32) + O accumulator (head_dim/2 fp32) + P (tile_n/4).
-        live = self.tile_n // 2 + self.head_dim // 2 + self.tile_n // 4
-        if live + 40 > consumer:
-            return f"about {live + 40} live registers per consumer thread, only {consumer} after setmaxnreg"
+        live = self.tile_n // 2 + self.head_dim // 2 + self.tile_n // 4 + 24  # + indices, row stats, addresses
+        if live > consumer:
+            return f"about {live} live registers per consumer thread, only {consumer} after setmaxnreg"
         return None
 
     def validate(self) -> FwdConfig:
@@ -77,9 +77,15 @@ class FwdConfig:
         return self
 
 
-def default_config(head_dim: int) -> FwdConfig:
-    """Tile shape per head dim."""
+def default_config(head_dim: int, block_sparse: bool = False, has_score_mod: bool = False) -> FwdConfig:
+    """Tile shape per head dim.
+
+    D=64 without a block mask or score_mod uses 192-row tiles (three consumer warpgroups); a block mask at torch's
+    default 128 block size needs 128-row tiles, and a score_mod's extra registers spill at 160 per thread.
+    """
     if head_dim <= 64:
+        if not block_sparse and not has_score_mod:
+            return FwdConfig(head_dim=64, tile_m=192, tile_n=128, num_stages=2)
         return FwdConfig(head_dim=64, tile_m=128, tile_n=128, num_stages=2)
     if head_dim <= 128:
         return FwdConfig(head_dim=128, tile_m=128, tile_n=128, num_stages=2)

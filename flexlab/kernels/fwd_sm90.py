@@ -34,7 +34,7 @@ from .mask import apply_mask_mod, mask_kv_tail
 from .named_barrier import FwdBarrier
 from .score_mod import apply_score_mod
 from .softmax import OnlineSoftmax, rescale_rows
-from .tile_scheduler import current_tile, grid_shape
+from .tile_scheduler import current_tile
 
 LOG2_E = math.log2(math.e)
 
@@ -72,13 +72,13 @@ class FlexFwdSm90:
         self.num_wg = cfg.num_consumer_wgs
         self.num_consumer_threads = 128 * self.num_wg
         self.producer_regs, self.consumer_regs = cfg.register_split
-        self.pingpong = cfg.pingpong and self.num_wg == 2
+        self.pingpong = cfg.pingpong and self.num_wg >= 2
 
     # ------------------------------------------------------------------ host side
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                 softmax_scale: Float32, qhead_per_kvhead: Int32, sparse, order, aux_tensors: tuple,
-                 aux_scalars: tuple, stream: cuda.CUstream):
+                 softmax_scale: Float32, qhead_per_kvhead: Int32, heads_per_group: Int32, sparse, order,
+                 aux_tensors: tuple, aux_scalars: tuple, stream: cuda.CUstream):
         """mQ/mO (B, Hq, Sq, D), mK/mV (B, Hkv, Skv, D) with unit stride on D; mLSE (B, Hq, Sq) fp32."""
         mQ, mK, mV, mO = [bshd_view(t) for t in (mQ, mK, mV, mO)]
         mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))  # (Sq, Hq, B)
@@ -110,9 +110,12 @@ class FlexFwdSm90:
             sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
 
         log2_scale = Float32(LOG2_E) if cutlass.const_expr(self.score_mod is not None) else softmax_scale * LOG2_E
-        grid = grid_shape(cute.size(mQ.shape[2]), cute.size(mQ.shape[3]), cute.ceil_div(mQ.shape[0], tile_m))
+        num_m_blocks = cute.ceil_div(mQ.shape[0], tile_m)
+        num_hb = mQ.shape[2] * mQ.shape[3]
+        grid = [num_m_blocks * num_hb, 1, 1]
+        tiles = (num_m_blocks, mQ.shape[2], num_hb, heads_per_group)
         self.kernel(mQ_t, mK_t, mV_t, mO_t, mLSE, tma_q, tma_k, tma_v, tma_o, softmax_scale, log2_scale,
-                    qhead_per_kvhead, sparse, order, aux_tensors, aux_scalars, sQ_layout, sKV_layout,
+                    qhead_per_kvhead, tiles, sparse, order, aux_tensors, aux_scalars, sQ_layout, sKV_layout,
                     tiled_mma_qk, tiled_mma_pv, Storage).launch(
             grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -120,7 +123,7 @@ class FlexFwdSm90:
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
                tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_o: cute.CopyAtom,
-               softmax_scale: Float32, log2_scale: Float32, qhead_per_kvhead: Int32, sparse, order,
+               softmax_scale: Float32, log2_scale: Float32, qhead_per_kvhead: Int32, tiles, sparse, order,
                aux_tensors, aux_scalars, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
                tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, Storage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -146,7 +149,7 @@ class FlexFwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        m_block, head, batch = current_tile(order)
+        m_block, head, batch = current_tile(order, *tiles)
         seqlen_k = mK.shape[0]
         sched = KvSchedule(sparse, batch, head, m_block, cute.ceil_div(seqlen_k, self.tile_n))
         pipeline.pipeline_init_wait()
@@ -228,7 +231,7 @@ class FlexFwdSm90:
         dense = cutlass.const_expr(sched.sparse is None)
 
         if cutlass.const_expr(self.pingpong):
-            if wg == 0:  # warpgroup 1 goes first
+            if wg == 0:  # the first consumer warpgroup goes first
                 cute.arch.barrier_arrive(barrier_id=int(FwdBarrier.TURN_WG1), number_of_threads=256)
 
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
@@ -319,7 +322,11 @@ class FlexFwdSm90:
 
     def pass_turn(self, wg):
         if cutlass.const_expr(self.pingpong):
-            cute.arch.barrier_arrive(barrier_id=int(FwdBarrier.TURN_WG2) - wg, number_of_threads=256)
+            if cutlass.const_expr(self.num_wg == 2):
+                nxt = 1 - wg
+            else:
+                nxt = (wg + 1) % self.num_wg
+            cute.arch.barrier_arrive(barrier_id=int(FwdBarrier.TURN_WG1) + nxt, number_of_threads=256)
 
     @cute.jit
     def epilogue(self, acc_O, lse, coords, mO, mLSE, sQ_layout, storage, tma_o, tiled_mma_pv, tidx: Int32,

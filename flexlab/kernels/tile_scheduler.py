@@ -1,9 +1,11 @@
-"""Which (Q tile, head, batch) a CTA computes.
+"""Which (Q tile, head, batch) a CTA computes: L2-aware grouping of heads, longest-work-first Q tiles.
 
-The grid is (heads, batch, Q tiles) so the hardware issues CTAs head-fastest: every head's first-ranked Q tile is
-started before any second-ranked one. With a block mask the host ranks Q tiles longest-work-first (`order`, the
-number of KV blocks a tile visits summed over batch and heads, descending); the heavy causal diagonal-far tiles then
-start first and the short ones fill the tail of the wave instead of leaving SMs idle at the end.
+The grid is 1-D. CTAs are dealt out in groups of `heads_per_group` (batch, head) pairs, chosen on the host so that
+the K/V of one group fit in L2 together; inside a group the Q-tile rank is the slow index and the head the fast one.
+So while a group runs, every K/V block is fetched from HBM once and then re-read from L2 by the other Q tiles, and
+every head's rank-0 tile starts before any rank-1 tile. With a block mask the host ranks Q tiles longest-work-first
+(`order`: KV blocks visited, summed over batch and heads, descending), so heavy tiles start early and light ones fill
+the tail of the last wave instead of leaving SMs idle.
 """
 from __future__ import annotations
 
@@ -13,14 +15,26 @@ from cutlass import Int32
 
 
 @cute.jit
-def current_tile(order) -> tuple:
+def current_tile(order, num_m_blocks: Int32, num_heads: Int32, num_hb: Int32, heads_per_group: Int32) -> tuple:
     """(m_block, head, batch) of this CTA; `order` is None (identity) or an int32 tensor rank -> Q tile index."""
-    head, batch, rank = cute.arch.block_idx()
-    m_block = Int32(rank)
+    bid = Int32(cute.arch.block_idx()[0])
+    tiles_per_group = heads_per_group * num_m_blocks
+    group = bid // tiles_per_group
+    r = bid - group * tiles_per_group
+    first_hb = group * heads_per_group
+    group_size = cutlass.min(heads_per_group, num_hb - first_hb)
+    rank = r // group_size
+    hb = first_hb + r - rank * group_size
+    batch = hb // num_heads
+    head = hb - batch * num_heads
+    m_block = rank
     if cutlass.const_expr(order is not None):
         m_block = Int32(order[rank])
-    return m_block, Int32(head), Int32(batch)
+    return m_block, head, batch
 
 
-def grid_shape(num_heads, batch, num_m_blocks) -> list:
-    return [num_heads, batch, num_m_blocks]
+def heads_per_group(seqlen_k: int, head_dim: int, elem_bytes: int, qhead_per_kvhead: int, num_hb: int,
+                    l2_budget_bytes: int = 32 * 1024 * 1024) -> int:
+    """How many (batch, head) pairs share L2 at a time: K+V of one KV head, split over the query heads reading it."""
+    per_qhead = max(1, 2 * seqlen_k * head_dim * elem_bytes // max(1, qhead_per_kvhead))
+    return max(1, min(num_hb, l2_budget_bytes // per_qhead))

@@ -107,7 +107,7 @@ def fake_arguments(key: CompileKey):
         for name, ndim in key.aux_tensor_specs)
     aux_scalars = tuple(cutlass.Int32(0) if kind == "int" else cutlass.Float32(0.0) for kind in key.aux_scalar_kinds)
     return (qkv(), qkv(), qkv(), qkv(), compact(cutlass.Float32, 3), cutlass.Float32(1.0), cutlass.Int32(1),
-            sparse, order, aux_tensors, aux_scalars, make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi))
+            cutlass.Int32(1), sparse, order, aux_tensors, aux_scalars, make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi))
 
 
 def _build(key: CompileKey, mods: KernelMods, extra_options: str = ""):

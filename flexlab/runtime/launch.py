@@ -11,6 +11,7 @@ from functools import lru_cache
 import torch
 
 from ..kernels.config import FwdConfig, default_config
+from ..kernels.tile_scheduler import heads_per_group
 from .compile import CompileKey, KernelMods, cutlass_version, kernel_cache, tvm_ffi_available
 from .sparsity import kernel_block_mask
 
@@ -29,20 +30,21 @@ def _static_key_parts() -> tuple[str, bool]:
     return cutlass_version(), tvm_ffi_available()
 
 
-_KEYS: dict[tuple, CompileKey] = {}
+_FAST: dict[tuple, tuple] = {}
 
 
-def _key(mods: KernelMods, dtype: str, cfg: FwdConfig, arch: str, sparse: bool) -> CompileKey:
-    fast = (mods.source_hash, mods.score_mod is not None, mods.mask_mod is not None, mods.aux_tensor_specs,
-            mods.aux_scalar_kinds, dtype, cfg, arch, sparse)
-    key = _KEYS.get(fast)
-    if key is None:
+def _compiled(mods: KernelMods, dtype: torch.dtype, cfg: FwdConfig, arch: str, sparse: bool):
+    """(compiled function, key); one small-tuple dict lookup once warm."""
+    fast = (mods, dtype, cfg, arch, sparse)
+    hit = _FAST.get(fast)
+    if hit is None:
         version, ffi = _static_key_parts()
         key = CompileKey(mods.source_hash, mods.score_mod is not None, mods.mask_mod is not None,
-                         mods.aux_tensor_specs, mods.aux_scalar_kinds, dtype, cfg, arch, sparse, sparse,
+                         mods.aux_tensor_specs, mods.aux_scalar_kinds, _DTYPE_NAMES[dtype], cfg, arch, sparse, sparse,
                          cutlass_version=version, tvm_ffi=ffi)
-        _KEYS[fast] = key
-    return key
+        hit = (kernel_cache().get(key, mods), key)
+        _FAST[fast] = hit
+    return hit
 
 
 def _to_cute(t):
@@ -50,12 +52,18 @@ def _to_cute(t):
     return from_dlpack(t, assumed_align=16 if t.dim() == 4 else 4).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: KernelMods = KernelMods(),
+_NO_MODS = KernelMods()
+_CONFIGS = {(d, sparse, mod): default_config(d, sparse, mod) for d in (64, 128, 256) for sparse in (False, True)
+            for mod in (False, True)}
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: KernelMods = _NO_MODS,
             aux_tensors: tuple = (), aux_scalars: tuple = (), block_mask=None, scale: float | None = None,
             config: FwdConfig | None = None, arch: str = "sm_90a") -> tuple[torch.Tensor, torch.Tensor]:
     """Run the Hopper forward kernel. q (B, Hq, Sq, D), k/v (B, Hkv, Skv, D) on one CUDA device, bf16/fp16."""
     B, Hq, Sq, D = q.shape
-    cfg = config or default_config(D)
+    Hkv, Skv = k.shape[1], k.shape[2]
+    cfg = config or _CONFIGS[D, block_mask is not None, mods.score_mod is not None]
     q, k, v = tma_ready(q), tma_ready(k), tma_ready(v)
     out = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
@@ -63,17 +71,17 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: KernelMods 
     if block_mask is not None:
         kbm = kernel_block_mask(block_mask, Sq, cfg.tile_m, cfg.tile_n)
         sparse, order = kbm.as_args(), kbm.order
-    key = _key(mods, _DTYPE_NAMES[q.dtype], cfg, arch, sparse is not None)
-    fn = kernel_cache().get(key, mods)
+    fn, key = _compiled(mods, q.dtype, cfg, arch, sparse is not None)
     scale = D ** -0.5 if scale is None else float(scale)
-    qhead_per_kvhead = Hq // k.shape[1]
+    qpk = Hq // Hkv
+    group = heads_per_group(Skv, D, 2, qpk, B * Hq)
     if key.tvm_ffi:
-        fn(q, k, v, out, lse, scale, qhead_per_kvhead, sparse, order, tuple(aux_tensors), tuple(aux_scalars))
+        fn(q, k, v, out, lse, scale, qpk, group, sparse, order, aux_tensors, aux_scalars)
     else:
         import cuda.bindings.driver as cuda
         stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
         conv_sparse = tuple(_to_cute(t) for t in sparse) if sparse is not None else None
-        fn(_to_cute(q), _to_cute(k), _to_cute(v), _to_cute(out), _to_cute(lse), scale, qhead_per_kvhead,
+        fn(_to_cute(q), _to_cute(k), _to_cute(v), _to_cute(out), _to_cute(lse), scale, qpk, group,
            conv_sparse, _to_cute(order) if order is not None else None,
            tuple(_to_cute(t) for t in aux_tensors), tuple(aux_scalars), stream)
     return out, lse

@@ -48,6 +48,27 @@ def main(path):
             row = dict(kind=kind, B=B, H=H, S=S, D=D, ms=ms, tflops=tflops(ms, B, H, S, D, density))
             rows.append(row)
             print(f"{kind:7s} B{B} H{H} S{S} D{D}: {ms:.3f} ms  {row['tflops']:.0f} TFLOP/s", flush=True)
+    if os.environ.get("PROBE_SWEEP"):
+        from flexlab.kernels.config import FwdConfig
+        sweep = [((4, 16, 4096, 128), FwdConfig(head_dim=128, num_stages=3)),
+                 ((1, 16, 16384, 128), FwdConfig(head_dim=128, num_stages=3)),
+                 ((1, 16, 16384, 128), FwdConfig(head_dim=128, tile_n=176, num_stages=2)),
+                 ((4, 16, 4096, 64), FwdConfig(head_dim=64, tile_m=128, num_stages=2)),
+                 ((4, 16, 4096, 64), FwdConfig(head_dim=64, tile_m=192, num_stages=3)),
+                 ((1, 16, 16384, 64), FwdConfig(head_dim=64, tile_m=192, tile_n=160, num_stages=2))]
+        for (B, H, S, D), cfg in sweep:
+            q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+            try:
+                fn = lambda: forward(q, k, v, config=cfg)  # noqa: E731
+                fn()
+                ms = do_bench(fn, warmup=25, rep=100, return_mode="median")
+            except Exception as e:  # noqa: BLE001  (a config that fails to build is a sweep result too)
+                print("sweep failed", cfg, repr(e)[:200])
+                continue
+            row = dict(kind="dense-sweep", B=B, H=H, S=S, D=D, ms=ms, tflops=tflops(ms, B, H, S, D),
+                       config=repr(cfg))
+            rows.append(row)
+            print(f"sweep B{B} S{S} D{D} {cfg.tile_m}x{cfg.tile_n} st{cfg.num_stages}: {row['tflops']:.0f} TFLOP/s")
     # Host overhead: Python time per call on a tiny problem (the launch is asynchronous).
     q, k, v = (torch.randn(1, 1, 128, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     for _ in range(50):
@@ -61,6 +82,16 @@ def main(path):
         if len(samples) % 200 == 0:
             torch.cuda.synchronize()
     host_us = statistics.median(samples) * 1e6
+    from flexlab.runtime import launch
+    fn, _ = next(iter(launch._FAST.values()))
+    out = torch.empty_like(q)
+    lse = torch.empty(1, 1, 128, device="cuda")
+    raw = []
+    for _ in range(2000):
+        t0 = time.perf_counter()
+        fn(q, k, v, out, lse, 0.1, 1, 1, None, None, (), ())
+        raw.append(time.perf_counter() - t0)
+    print(f"bare compiled-call overhead: {statistics.median(raw) * 1e6:.1f} us")
     print(f"host overhead per call: {host_us:.1f} us (median of {len(samples)})")
     print("cache", kernel_cache().stats)
     json.dump(dict(rows=rows, host_overhead_us=host_us, cache=vars(kernel_cache().stats)), open(path, "w"), indent=1)

@@ -15,4 +15,4 @@ def test_infeasible_configs_say_why():
     assert "stages" in FwdConfig(head_dim=128, num_stages=1).feasibility_error()
     assert "head_dim" in FwdConfig(head_dim=96).feasibility_error()
     with pytest.raises(ValueError, match="pingpong"):
-        FwdConfig(head_dim=64, tile_m=192).validate()
+        FwdConfig(head_dim=64, tile_m=64).validate()
