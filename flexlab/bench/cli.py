@@ -31,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rep-ms", type=float, default=None, help="do_bench repetition time per measurement (default 100)")
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds after which no new backend/row is started (the rest is marked skipped)")
+    p.add_argument("--resume", default=None, metavar="JSON",
+                   help="keep the rows this earlier result file already finished; measure only the rest")
     p.add_argument("--show", nargs="+", default=None, metavar="JSON",
                    help="print the tables of existing result files (merged, later rows win) and exit")
     p.add_argument("--markdown", action="store_true",
@@ -74,7 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         settings.warmup_ms = args.warmup_ms
     if args.rep_ms is not None:
         settings.rep_ms = args.rep_ms
-    doc = run(rows, settings, device, args.json_path)
+    resume = None
+    if args.resume:
+        with open(args.resume) as f:
+            resume = json.load(f)
+    doc = run(rows, settings, device, args.json_path, resume=resume)
     print()
     print(format_summary(doc["rows"]))
     if args.json_path:

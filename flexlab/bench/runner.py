@@ -6,6 +6,7 @@ selves; the profiler's kernel names are a second guard against a silent fall-bac
 """
 from __future__ import annotations
 
+import datetime
 import gc
 import re
 import time
@@ -62,6 +63,10 @@ def _kernel_note(expect, kernels) -> str | None:
     if any(s in top for s in expect):
         return None
     return f"largest kernel {kernels[0][0][:80]!r} is not a fused attention kernel (fall-back?)"
+
+
+def _utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _sync(device: torch.device) -> None:
@@ -145,7 +150,7 @@ def run_row(row: Row, settings: Settings, device: torch.device, deadline: float 
     """Build, check and time every selected backend on one row; returns the row's JSON record."""
     from ..mask import create_block_mask
     torch._dynamo.reset()
-    record = {"name": row.name, **asdict(row)}
+    record = {"name": row.name, **asdict(row), "measured_utc": _utc_now()}
     case = build_case(row.variant, row.B, row.H, row.S, device)
     block_mask = (create_block_mask(case.mask_mod, None, None, row.S, row.S, device=device)
                   if case.mask_mod is not None else None)
@@ -170,12 +175,29 @@ def run_row(row: Row, settings: Settings, device: torch.device, deadline: float 
     return record
 
 
-def run(rows: list[Row], settings: Settings, device: torch.device, json_path=None, log=print) -> dict:
-    """Run `rows` in order, printing each row's table as it finishes and rewriting `json_path` after each row."""
+def finished(record: dict, backends: list[str]) -> bool:
+    """Whether a saved row already holds a result for every backend asked for (so a resumed run can keep it)."""
+    results = record.get("results") or {}
+    return record.get("density") is not None and all(
+        name in results and results[name].get("status") != "skipped" for name in backends)
+
+
+def run(rows: list[Row], settings: Settings, device: torch.device, json_path=None, log=print,
+        resume: dict | None = None) -> dict:
+    """Run `rows` in order, printing each row's table as it finishes and rewriting `json_path` after each row.
+
+    With `resume` (an earlier result document), rows it already finished for the selected backends are copied
+    instead of measured again: a long benchmark can be completed over several time-limited commands.
+    """
     configure_dynamo()
     deadline = None if settings.time_budget_s is None else time.monotonic() + settings.time_budget_s
     doc = document(environment(device), {k: v for k, v in asdict(settings).items()}, [])
+    kept = {r["name"]: r for r in (resume or {}).get("rows", []) if finished(r, settings.backends)}
     for row in rows:
+        if row.name in kept:
+            log(f"{row.name}: kept from the resumed results ({kept[row.name].get('measured_utc', 'earlier run')})")
+            doc["rows"].append(kept[row.name])
+            continue
         if deadline is not None and time.monotonic() > deadline:
             doc["rows"].append({"name": row.name, **asdict(row), "density": None, "flops": None,
                                 "skipped": "time budget spent", "results": {}})

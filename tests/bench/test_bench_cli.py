@@ -61,3 +61,21 @@ def test_gpu_smoke_every_peer_on_one_small_row(tmp_path):
     res = json.loads(out.read_text())["rows"][0]["results"]
     assert res["flex-triton"]["status"] == "ok" and res["sdpa"]["status"] == "ok"
     assert res["flex-triton"]["kernel_ms"] > 0
+
+
+def test_resume_keeps_finished_rows_and_measures_the_rest(tmp_path, capsys):
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    common = ["--rows", "validate", "--only", " causal B4", "--quick", "--device", "cpu", "--backends", "sdpa"]
+    assert main(common + ["--json", str(first), "--time-budget", "1e9"]) == 0
+    saved = json.loads(first.read_text())
+    saved["rows"][1] = {**saved["rows"][1], "density": None, "skipped": "time budget spent", "results": {}}
+    first.write_text(json.dumps(saved))
+    capsys.readouterr()
+    assert main(common + ["--json", str(second), "--resume", str(first)]) == 0
+    assert "kept from the resumed results" in capsys.readouterr().out
+    rows = json.loads(second.read_text())["rows"]
+    assert rows[0] == saved["rows"][0]                       # copied, not re-measured
+    assert rows[1]["results"]["sdpa"]["status"] == "ok"      # the skipped row was measured this time
+    # Asking for a backend the saved rows lack measures them again.
+    assert main(common[:-1] + ["sdpa,reference", "--json", str(second), "--resume", str(first)]) == 0
+    assert "reference" in json.loads(second.read_text())["rows"][0]["results"]
