@@ -1,0 +1,287 @@
+"""What the GPU would run, measured without a GPU: PTX -> ptxas -v -> cubin -> nvdisasm -> instruction mix.
+
+CuTeDSL lowers a kernel to PTX on any machine; NVIDIA's assembler and disassembler then tell registers, spills,
+barriers, static shared memory and the SASS instructions (HGMMA = wgmma on the tensor cores, MUFU = the special
+function unit behind exp2/rcp/tanh). The tools are looked up on PATH, under CUDA_HOME, and inside the PyPI wheels
+``nvidia-cuda-nvcc`` (ptxas) and ``nvidia-cuda-nvdisasm``; whatever is missing is reported, never raised.
+"""
+from __future__ import annotations
+
+import html
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+INSTALL_HINTS = {
+    "ptxas": "pip install nvidia-cuda-nvcc",
+    "nvdisasm": "pip install nvidia-cuda-nvdisasm",
+    "cutlass": "pip install nvidia-cutlass-dsl==4.8.1",
+}
+
+# SASS opcode (before the first '.') -> the group the report shows.
+SASS_GROUPS = {
+    "HGMMA": "tensor core (HGMMA = wgmma)",
+    "MUFU": "special function (MUFU: exp2, rcp, tanh, ...)",
+    "FFMA": "fp32 math", "FMUL": "fp32 math", "FADD": "fp32 math", "FMNMX": "fp32 math", "FSEL": "fp32 math",
+    "FSETP": "fp32 math", "F2FP": "conversion", "I2FP": "conversion", "F2I": "conversion", "I2F": "conversion",
+    "UTMALDG": "TMA", "UTMASTG": "TMA", "UTMAPF": "TMA", "UBLKCP": "TMA",
+    "LDS": "shared memory", "STS": "shared memory", "LDSM": "shared memory", "STSM": "shared memory",
+    "LDG": "global memory", "STG": "global memory", "RED": "global memory", "ATOMG": "global memory",
+    "BAR": "barriers and sync", "SYNCS": "barriers and sync", "WARPSYNC": "barriers and sync",
+    "SHFL": "warp shuffle",
+    "BRA": "control flow", "EXIT": "control flow", "RET": "control flow", "CALL": "control flow",
+}
+
+
+def _wheel_bin_dirs() -> list[Path]:
+    """bin/ folders of NVIDIA's PyPI wheels (nvidia/cu13/bin, nvidia/cuda_nvcc/bin, ...)."""
+    try:
+        import nvidia  # namespace package shared by the nvidia-* wheels
+    except ImportError:
+        return []
+    dirs = []
+    for root in getattr(nvidia, "__path__", []):
+        dirs.extend(sorted(Path(root).glob("*/bin")))
+    return dirs
+
+
+def find_tool(name: str) -> Optional[str]:
+    """Path of a CUDA tool: PATH first, then $CUDA_HOME/bin, then the nvidia-* wheels; None when absent."""
+    found = shutil.which(name)
+    if found:
+        return found
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(env):
+            candidate = Path(os.environ[env]) / "bin" / name
+            if candidate.is_file() and os.access(candidate, os.X_OK):
+                return str(candidate)
+    for d in _wheel_bin_dirs():
+        candidate = d / name
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ parsing
+def parse_ptxas_verbose(text: str) -> dict:
+    """Numbers from ``ptxas -v``: registers, barriers, spills, stack, static shared memory, constant memory."""
+    out: dict = {}
+    patterns = {
+        "registers": r"Used (\d+) registers",
+        "barriers": r"used (\d+) barriers",
+        "stack_bytes": r"(\d+) bytes stack frame",
+        "spill_store_bytes": r"(\d+) bytes spill stores",
+        "spill_load_bytes": r"(\d+) bytes spill loads",
+        "smem_static_bytes": r"(\d+) bytes smem",
+    }
+    for key, pat in patterns.items():
+        m = re.search(pat, text)
+        if m:
+            out[key] = int(m.group(1))
+    out.setdefault("barriers", 0)
+    out.setdefault("smem_static_bytes", 0)
+    return out
+
+
+_SASS_LINE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
+
+
+def sass_opcodes(sass: str) -> Counter:
+    """Full opcode (with modifiers, e.g. ``MUFU.EX2``) -> count, from ``nvdisasm`` output."""
+    return Counter(m.group(1) for m in _SASS_LINE.finditer(sass))
+
+
+def sass_groups(opcodes: Counter) -> dict[str, int]:
+    groups: Counter = Counter()
+    for op, n in opcodes.items():
+        groups[SASS_GROUPS.get(op.split(".")[0], "other")] += n
+    return dict(groups.most_common())
+
+
+def ptx_counts(ptx: str) -> dict[str, int]:
+    """A few PTX instructions worth seeing before assembly (wgmma issue, exp2, TMA copies)."""
+    return {"wgmma.mma_async": ptx.count("wgmma.mma_async"), "ex2.approx": ptx.count("ex2.approx"),
+            "cp.async.bulk.tensor": ptx.count("cp.async.bulk.tensor"), "lines": ptx.count("\n")}
+
+
+# ------------------------------------------------------------------------------------------------ report
+@dataclass
+class CompileReport:
+    """Compile-only facts about one kernel; ``missing``/``errors`` say what could not be measured and why."""
+
+    kernel: str
+    arch: str = "sm_90a"
+    compile_seconds: Optional[float] = None      # CuTeDSL trace + lowering to PTX
+    ptxas_seconds: Optional[float] = None
+    registers: Optional[int] = None
+    spill_store_bytes: Optional[int] = None
+    spill_load_bytes: Optional[int] = None
+    stack_bytes: Optional[int] = None
+    barriers: Optional[int] = None
+    smem_static_bytes: Optional[int] = None
+    smem_dynamic_bytes: Optional[int] = None     # what the launch requests (from the kernel configuration)
+    ptx: dict = field(default_factory=dict)
+    opcodes: Counter = field(default_factory=Counter)
+    missing: list = field(default_factory=list)
+    errors: list = field(default_factory=list)
+    ptx_text: Optional[str] = field(default=None, repr=False)
+
+    @property
+    def hgmma(self) -> int:
+        return sum(n for op, n in self.opcodes.items() if op.startswith("HGMMA"))
+
+    @property
+    def mufu(self) -> dict[str, int]:
+        return {op: n for op, n in sorted(self.opcodes.items()) if op.startswith("MUFU")}
+
+    @property
+    def smem_bytes(self) -> Optional[int]:
+        if self.smem_static_bytes is None and self.smem_dynamic_bytes is None:
+            return None
+        return (self.smem_static_bytes or 0) + (self.smem_dynamic_bytes or 0)
+
+    def rows(self) -> list[tuple[str, str]]:
+        def fmt(v, unit=""):
+            return "—" if v is None else f"{v:,}{unit}"
+
+        rows = [("kernel", self.kernel), ("arch", self.arch),
+                ("compile (CuTeDSL → PTX)", "—" if self.compile_seconds is None else f"{self.compile_seconds:.2f} s"),
+                ("ptxas", "—" if self.ptxas_seconds is None else f"{self.ptxas_seconds:.2f} s"),
+                ("registers / thread", fmt(self.registers)),
+                ("spills (store / load)", f"{fmt(self.spill_store_bytes, ' B')} / {fmt(self.spill_load_bytes, ' B')}"),
+                ("stack frame", fmt(self.stack_bytes, " B")), ("named barriers", fmt(self.barriers)),
+                ("shared memory / CTA", f"{fmt(self.smem_bytes, ' B')} (static {fmt(self.smem_static_bytes, ' B')}, "
+                                        f"dynamic {fmt(self.smem_dynamic_bytes, ' B')})")]
+        if self.opcodes:
+            rows.append(("HGMMA (wgmma) instructions", f"{self.hgmma:,}"))
+            rows.append(("MUFU instructions", ", ".join(f"{op} {n}" for op, n in self.mufu.items()) or "0"))
+            rows.append(("SASS instructions", f"{sum(self.opcodes.values()):,}"))
+        if self.ptx:
+            rows.append(("PTX", ", ".join(f"{k} {v:,}" for k, v in self.ptx.items())))
+        return rows
+
+    def _repr_html_(self) -> str:
+        body = "".join(f"<tr><th style='text-align:left'>{html.escape(k)}</th><td style='text-align:left'>"
+                       f"{html.escape(v)}</td></tr>" for k, v in self.rows())
+        mix = ""
+        if self.opcodes:
+            groups = sass_groups(self.opcodes)
+            mix = ("<table class='flexlab-sass-mix'><caption style='text-align:left'>SASS instruction mix</caption>"
+                   + "".join(f"<tr><td style='text-align:left'>{html.escape(g)}</td><td>{n:,}</td></tr>"
+                             for g, n in groups.items()) + "</table>")
+        notes = "".join(f"<div style='color:#a15c00'>missing: {html.escape(m)}</div>" for m in self.missing)
+        notes += "".join(f"<div style='color:#b00020'>{html.escape(e)}</div>" for e in self.errors)
+        return (f"<div class='flexlab-compile-report' data-testid='flexlab-compile-report'>{notes}"
+                f"<div style='display:flex;gap:2em;align-items:flex-start'><table>{body}</table>{mix}</div></div>")
+
+
+def _missing(name: str) -> str:
+    return f"{name} (install with `{INSTALL_HINTS[name]}`)"
+
+
+def report_from_ptx(ptx: str, *, kernel: str = "kernel", arch: str = "sm_90a", compile_seconds: Optional[float] = None,
+                    smem_dynamic_bytes: Optional[int] = None, timeout_s: float = 300.0) -> CompileReport:
+    """Assemble ``ptx`` with ``ptxas -v``, disassemble the cubin with ``nvdisasm`` and collect the numbers."""
+    rep = CompileReport(kernel=kernel, arch=arch, compile_seconds=compile_seconds,
+                        smem_dynamic_bytes=smem_dynamic_bytes, ptx=ptx_counts(ptx), ptx_text=ptx)
+    ptxas = find_tool("ptxas")
+    if ptxas is None:
+        rep.missing.append(_missing("ptxas"))
+        return rep
+    with tempfile.TemporaryDirectory(prefix="flexlab-report-") as tmp:
+        src, cubin = Path(tmp) / "kernel.ptx", Path(tmp) / "kernel.cubin"
+        src.write_text(ptx)
+        t0 = time.perf_counter()
+        try:
+            res = subprocess.run([ptxas, f"-arch={arch}", "-v", str(src), "-o", str(cubin)], capture_output=True,
+                                 text=True, timeout=timeout_s)
+        except (OSError, subprocess.TimeoutExpired) as err:
+            rep.errors.append(f"ptxas failed to run: {err}")
+            return rep
+        rep.ptxas_seconds = time.perf_counter() - t0
+        if res.returncode != 0:
+            rep.errors.append(f"ptxas exited with {res.returncode}: {(res.stderr or res.stdout).strip()[:2000]}")
+            return rep
+        for key, value in parse_ptxas_verbose(res.stdout + res.stderr).items():
+            setattr(rep, key, value)
+        nvdisasm = find_tool("nvdisasm")
+        if nvdisasm is None:
+            rep.missing.append(_missing("nvdisasm"))
+            return rep
+        try:
+            dis = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, timeout=timeout_s)
+        except (OSError, subprocess.TimeoutExpired) as err:
+            rep.errors.append(f"nvdisasm failed to run: {err}")
+            return rep
+        if dis.returncode != 0:
+            rep.errors.append(f"nvdisasm exited with {dis.returncode}: {dis.stderr.strip()[:2000]}")
+            return rep
+        rep.opcodes = sass_opcodes(dis.stdout)
+    return rep
+
+
+# ------------------------------------------------------------------------------------------------ our kernel
+_FORWARD_REPORTS: dict = {}
+
+
+def forward_kernel_report(score_mod=None, mask_mod=None, *, dtype: str = "bfloat16", head_dim: int = 128,
+                          block_sparse: Optional[bool] = None, arch: str = "sm_90a") -> CompileReport:
+    """Compile flexlab's Hopper forward kernel with these mods inlined (no GPU needed) and report on it.
+
+    Cached per generated-source hash and configuration: sliding a captured scalar does not recompile.
+    """
+    import importlib.util
+
+    kernel = f"flexlab forward, {dtype}, head_dim {head_dim}"
+    if importlib.util.find_spec("cutlass") is None:
+        rep = CompileReport(kernel=kernel, arch=arch)
+        rep.missing.append(_missing("cutlass"))
+        return rep
+    from ..kernels.config import default_config
+    from ..runtime.compile import CompileKey, KernelMods
+
+    cfg = default_config(head_dim)
+    mods = KernelMods()
+    if score_mod is not None or mask_mod is not None:
+        # Exactly what backend="cute" compiles for these mods (UnsupportedModError names the user's line).
+        from types import SimpleNamespace
+
+        from ..backends.cute import _kernel_mods
+        mods = _kernel_mods(score_mod, SimpleNamespace(mask_mod=mask_mod) if mask_mod is not None else None)[0]
+    sparse = (mask_mod is not None) if block_sparse is None else block_sparse
+    key = CompileKey(mods.source_hash, mods.score_mod is not None, mods.mask_mod is not None, mods.aux_tensor_specs,
+                     mods.aux_scalar_kinds, dtype, cfg, arch, sparse, sparse, tvm_ffi=False)
+    hit = _FORWARD_REPORTS.get(key)
+    if hit is not None:
+        return hit
+    rep = CompileReport(kernel=kernel, arch=arch, smem_dynamic_bytes=cfg.smem_bytes())
+    t0 = time.perf_counter()
+    try:
+        ptx = _forward_ptx(key, mods)
+    except Exception as err:                                       # noqa: BLE001 - shown in the report
+        rep.errors.append(f"compiling the forward kernel failed: {type(err).__name__}: {str(err)[:2000]}")
+        return rep
+    rep = report_from_ptx(ptx, kernel=kernel, arch=arch, compile_seconds=time.perf_counter() - t0,
+                          smem_dynamic_bytes=cfg.smem_bytes())
+    _FORWARD_REPORTS[key] = rep
+    return rep
+
+
+def _forward_ptx(key, mods) -> str:
+    import warnings
+
+    from ..runtime import compile as rc
+    with warnings.catch_warnings(), tempfile.TemporaryDirectory(prefix="flexlab-ptx-") as dump:
+        warnings.filterwarnings("ignore", message=".*cannot be converted to a JitArgument.*")
+        compiled = rc._build(key, mods, extra_options=f" --keep-ptx --dump-dir {dump}")
+    ptx = getattr(compiled, "__ptx__", None)
+    if not ptx:
+        raise RuntimeError("the compiled kernel carries no PTX text (--keep-ptx had no effect)")
+    return ptx
