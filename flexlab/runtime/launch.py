@@ -33,15 +33,23 @@ def _static_key_parts() -> tuple[str, bool]:
 _FAST: dict[tuple, tuple] = {}
 
 
+def compile_key(mods: KernelMods, dtype: torch.dtype, cfg: FwdConfig, arch: str, sparse: bool) -> CompileKey:
+    version, ffi = _static_key_parts()
+    return CompileKey(mods.source_hash, mods.score_mod is not None, mods.mask_mod is not None, mods.aux_tensor_specs,
+                      mods.aux_scalar_kinds, _DTYPE_NAMES[dtype], cfg, arch, sparse, sparse,
+                      cutlass_version=version, tvm_ffi=ffi)
+
+
+def config_for(head_dim: int, sparse: bool, mods: KernelMods) -> FwdConfig:
+    return _CONFIGS[head_dim, sparse, mods.score_mod is not None]
+
+
 def _compiled(mods: KernelMods, dtype: torch.dtype, cfg: FwdConfig, arch: str, sparse: bool):
     """(compiled function, key); one small-tuple dict lookup once warm."""
     fast = (mods, dtype, cfg, arch, sparse)
     hit = _FAST.get(fast)
     if hit is None:
-        version, ffi = _static_key_parts()
-        key = CompileKey(mods.source_hash, mods.score_mod is not None, mods.mask_mod is not None,
-                         mods.aux_tensor_specs, mods.aux_scalar_kinds, _DTYPE_NAMES[dtype], cfg, arch, sparse, sparse,
-                         cutlass_version=version, tvm_ffi=ffi)
+        key = compile_key(mods, dtype, cfg, arch, sparse)
         hit = (kernel_cache().get(key, mods), key)
         _FAST[fast] = hit
     return hit
@@ -63,7 +71,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: KernelMods 
     """Run the Hopper forward kernel. q (B, Hq, Sq, D), k/v (B, Hkv, Skv, D) on one CUDA device, bf16/fp16."""
     B, Hq, Sq, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
-    cfg = config or _CONFIGS[D, block_mask is not None, mods.score_mod is not None]
+    cfg = config or config_for(D, block_mask is not None, mods)
     q, k, v = tma_ready(q), tma_ready(k), tma_ready(v)
     out = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
