@@ -146,8 +146,11 @@ def _inputs(row: Row, device, seed: int):
 
 
 def run_row(row: Row, settings: Settings, device: torch.device, deadline: float | None = None,
-            log=print) -> dict:
-    """Build, check and time every selected backend on one row; returns the row's JSON record."""
+            log=print, keep: dict | None = None) -> dict:
+    """Build, check and time every selected backend on one row; returns the row's JSON record.
+
+    `keep` holds results of this row from an earlier run; backends found there are copied, not measured.
+    """
     from ..mask import create_block_mask
     torch._dynamo.reset()
     record = {"name": row.name, **asdict(row), "measured_utc": _utc_now()}
@@ -162,11 +165,16 @@ def run_row(row: Row, settings: Settings, device: torch.device, deadline: float 
     ref = check.reference(q, k, v, case.score_mod, case.mask_mod, dout)
     record["reference_s"] = round(time.perf_counter() - t0, 3)
     results = {}
+    keep = keep or {}
     for name in settings.backends:
+        if name in keep and keep[name].get("status") != "skipped":
+            results[name] = keep[name]
+            continue
         if deadline is not None and time.monotonic() > deadline:
             results[name] = {"status": "skipped", "error": "time budget spent"}
             continue
-        results[name] = run_backend(name, row, case, q, k, v, dout, block_mask, ref, flops, settings, device, log)
+        results[name] = {**run_backend(name, row, case, q, k, v, dout, block_mask, ref, flops, settings, device,
+                                       log), "measured_utc": _utc_now()}
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -186,24 +194,27 @@ def run(rows: list[Row], settings: Settings, device: torch.device, json_path=Non
         resume: dict | None = None) -> dict:
     """Run `rows` in order, printing each row's table as it finishes and rewriting `json_path` after each row.
 
-    With `resume` (an earlier result document), rows it already finished for the selected backends are copied
-    instead of measured again: a long benchmark can be completed over several time-limited commands.
+    With `resume` (an earlier result document), results it already holds are copied instead of measured again
+    (whole rows, or single backends of a row), so a long benchmark can be completed over several time-limited
+    commands, or flexlab alone can be measured next to saved peer results. Every result carries its own
+    `measured_utc`.
     """
     configure_dynamo()
     deadline = None if settings.time_budget_s is None else time.monotonic() + settings.time_budget_s
     doc = document(environment(device), {k: v for k, v in asdict(settings).items()}, [])
-    kept = {r["name"]: r for r in (resume or {}).get("rows", []) if finished(r, settings.backends)}
+    saved = {r["name"]: r for r in (resume or {}).get("rows", [])}
     for row in rows:
-        if row.name in kept:
-            log(f"{row.name}: kept from the resumed results ({kept[row.name].get('measured_utc', 'earlier run')})")
-            doc["rows"].append(kept[row.name])
+        prior = saved.get(row.name, {})
+        if finished(prior, settings.backends):
+            log(f"{row.name}: kept from the resumed results ({prior.get('measured_utc', 'earlier run')})")
+            doc["rows"].append(prior)
             continue
         if deadline is not None and time.monotonic() > deadline:
             doc["rows"].append({"name": row.name, **asdict(row), "density": None, "flops": None,
                                 "skipped": "time budget spent", "results": {}})
             continue
         try:
-            record = run_row(row, settings, device, deadline, log)
+            record = run_row(row, settings, device, deadline, log, keep=prior.get("results"))
         except Exception as err:  # a broken case (bad mods, OOM building inputs) must not lose the other rows
             record = {"name": row.name, **asdict(row), "density": None, "flops": None,
                       "error": _error_text(err), "results": {}}

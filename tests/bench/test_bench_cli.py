@@ -76,6 +76,8 @@ def test_resume_keeps_finished_rows_and_measures_the_rest(tmp_path, capsys):
     rows = json.loads(second.read_text())["rows"]
     assert rows[0] == saved["rows"][0]                       # copied, not re-measured
     assert rows[1]["results"]["sdpa"]["status"] == "ok"      # the skipped row was measured this time
-    # Asking for a backend the saved rows lack measures them again.
+    # Asking for a backend the saved row lacks measures that backend only and keeps the saved one.
     assert main(common[:-1] + ["sdpa,reference", "--json", str(second), "--resume", str(first)]) == 0
-    assert "reference" in json.loads(second.read_text())["rows"][0]["results"]
+    row = json.loads(second.read_text())["rows"][0]
+    assert row["results"]["sdpa"] == saved["rows"][0]["results"]["sdpa"]
+    assert row["results"]["reference"]["status"] == "ok" and row["best_peer"] == "sdpa"
