@@ -6,6 +6,7 @@ built-in causal, sliding-window, soft-capping and variable-length (packed docume
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -34,6 +35,11 @@ class Case:
     sdpa: dict | None = None
     autotune_peer: bool = False
     mods_source: str = ""
+
+    @property
+    def gallery_variants(self) -> list[str]:
+        """Names of the gallery variants whose mods this case runs (for tools that index results by variant)."""
+        return re.findall(r"gallery:(\w+)", self.mods_source)
 
 
 def _gallery_mods(name: str, B: int, H: int, S: int, device, **params):

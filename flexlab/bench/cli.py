@@ -32,7 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds after which no new backend/row is started (the rest is marked skipped)")
     p.add_argument("--resume", default=None, metavar="JSON",
-                   help="keep the rows this earlier result file already finished; measure only the rest")
+                   help="copy the results this earlier file already holds (whole rows or single backends); "
+                        "measure only what is missing")
     p.add_argument("--show", nargs="+", default=None, metavar="JSON",
                    help="print the tables of existing result files (merged, later rows win) and exit")
     p.add_argument("--markdown", action="store_true",

@@ -159,7 +159,7 @@ def run_row(row: Row, settings: Settings, device: torch.device, deadline: float 
                   if case.mask_mod is not None else None)
     density = mask_density(block_mask)
     flops = row.flops(density)
-    record.update(density=density, flops=flops, mods=case.mods_source)
+    record.update(density=density, flops=flops, mods=case.mods_source, gallery_variants=case.gallery_variants)
     q, k, v, dout = _inputs(row, device, settings.seed)
     t0 = time.perf_counter()
     ref = check.reference(q, k, v, case.score_mod, case.mask_mod, dout)

@@ -82,3 +82,9 @@ def test_kernel_names_reveal_an_unfused_fallback():
     assert note and "fall-back" in note
     assert _kernel_note(PEERS["fa4"][1], [("kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90", 0.4)]) is None
     assert _kernel_note(None, [("anything", 1.0)]) is None
+
+
+def test_cases_name_the_gallery_variants_they_run():
+    assert build_case("softcap_causal", 1, 1, 64, "cpu").gallery_variants == ["softcap", "causal"]
+    assert build_case("document", 1, 1, 64, "cpu").gallery_variants == ["document"]
+    assert build_case("dense", 1, 1, 64, "cpu").gallery_variants == []
