@@ -14,10 +14,10 @@ import dataclasses
 
 from IPython.core import magic_arguments
 from IPython.core.magic import Magics, cell_magic, magics_class
-from IPython.display import HTML, display
+from IPython.display import display
 
 from .experiment import BACKENDS, DTYPES, CodeError, RunSpec, load_mods, run_experiment
-from .panel import SECTIONS, ResultPanel, error_html
+from .panel import SECTIONS, ErrorDisplay, ResultPanel
 
 
 def _default_device() -> str:
@@ -68,7 +68,7 @@ class FlexAttnMagics(Magics):
             spec = RunSpec(B=args.B, H=args.H, S=args.S, D=args.D, dtype=args.dtype, backends=backends,
                            kv_len=args.kv_len, device=device)
         except ValueError as err:
-            display(HTML(error_html(err)))
+            display(ErrorDisplay(err))
             return None
         key = (cell, spec, show, args.report)
         result = None if args.no_cache else self.cache.get(key)
@@ -76,7 +76,7 @@ class FlexAttnMagics(Magics):
             mods = load_mods(cell, B=spec.B, H=spec.H, Q_LEN=spec.S, KV_LEN=spec.Skv, device=device,
                              env=self.shell.user_ns if self.shell is not None else None)
         except CodeError as err:
-            display(HTML(error_html(err)))
+            display(ErrorDisplay(err))
             return None
         if self.shell is not None:
             for name in ("score_mod", "mask_mod"):
@@ -89,10 +89,10 @@ class FlexAttnMagics(Magics):
             try:
                 result = run_experiment(mods, spec)
             except CodeError as err:
-                display(HTML(error_html(err)))
+                display(ErrorDisplay(err))
                 return None
             except Exception as err:                               # noqa: BLE001 - the kernel keeps running
-                display(HTML(error_html(err)))
+                display(ErrorDisplay(err))
                 return None
             self.cache[key] = result
         if args.output and self.shell is not None:

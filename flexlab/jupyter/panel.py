@@ -65,6 +65,19 @@ def error_html(err: BaseException, code: Optional[str] = None) -> str:
             f"#b00020;padding:4px 8px'><b>{html.escape(type(err).__name__)}</b>: {html.escape(str(err))}</div>")
 
 
+class ErrorDisplay:
+    """An error for ``display()``: the HTML box in notebooks, a plain line in terminals."""
+
+    def __init__(self, err: BaseException):
+        self.err = err
+
+    def _repr_html_(self) -> str:
+        return error_html(self.err)
+
+    def __repr__(self) -> str:
+        return f"flexlab error: {self.err}"
+
+
 def timing_figure(result: RunResult):
     """Bar chart of median ms per backend, coloured by the correctness check; TFLOP/s in the hover."""
     import plotly.graph_objects as go
