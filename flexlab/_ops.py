@@ -1,0 +1,144 @@
+"""torch custom ops for flexlab attention: schemas, fake implementations, and one implementation per device.
+
+A custom op is opaque to torch.compile: Dynamo puts it in the graph as one node, and AOTAutograd runs its fake
+implementation to learn output shapes, so no graph break happens however complex the kernel behind it is. The
+schema can only carry tensors, numbers, bools and strings, so a (score_mod, mask_mod) pair travels as the string key
+of a `ModEntry` registered here, and everything that is data travels as tensors: the captured tensors of the mods
+(so autograd sees the learnable ones) and the eight index tensors of the block mask.
+
+Implementations: on CUDA the forward is `flexlab.backends.cute` and the backward is flexlab's Hopper backward kernel
+(`kernels/bwd_launch`); on CPU both run dense math (the reference forward and `kernels/bwd_reference`, the backward
+kernel's algorithm), so the ops, their autograd formula and their tracing are testable without a GPU.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from .errors import FlexlabValueError
+
+NUM_MASK_TENSORS = 8  # kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx
+
+
+class ModEntry:
+    """One registered (score_mod, mask_mod) pair, its generated code, and plain lists of what it captures.
+
+    The lists are plain attributes so that Dynamo, tracing `differentiable_attention`, only reads them.
+    """
+
+    def __init__(self, key: str, score_mod: Optional[Callable], mask_mod: Optional[Callable]):
+        self.key, self.score_mod, self.mask_mod = key, score_mod, mask_mod
+        self.generated = None
+        self.aux_tensors: list[Tensor] = []
+        self.aux_scalars: list[float] = []
+        self.grad_slots: list[int] = []  # positions in aux_tensors whose gradient the backward computes
+        self._state = None
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Generate again when something the mods capture changed (a new window size, a rebound tensor)."""
+        if self.score_mod is None and self.mask_mod is None:
+            return
+        from .backends.cute import _captured_state
+        state = (_captured_state(self.score_mod), _captured_state(self.mask_mod))
+        if self.generated is not None and state == self._state:
+            return
+        from .codegen import generate
+        g = generate(self.score_mod, self.mask_mod)
+        self.generated, self._state = g, state
+        self.aux_tensors = list(g.aux_tensors)
+        self.aux_scalars = [float(v) for v in g.aux_scalars]
+        self.grad_slots = [i for i, rg in enumerate(g.aux_requires_grad) if rg]
+
+
+_ENTRIES: dict[str, ModEntry] = {}
+_KEYS: dict[tuple, str] = {}
+_LOCK = threading.Lock()
+
+
+def register_mods(score_mod: Optional[Callable], mask_mod: Optional[Callable]) -> str:
+    """The registry key of this (score_mod, mask_mod) pair; the same function objects always get the same key."""
+    pair = (score_mod, mask_mod)
+    key = _KEYS.get(pair)
+    if key is None:
+        with _LOCK:
+            key = _KEYS.get(pair)
+            if key is None:
+                key = f"mods{len(_KEYS)}"
+                _ENTRIES[key] = ModEntry(key, score_mod, mask_mod)
+                _KEYS[pair] = key
+                return key
+    _ENTRIES[key].refresh()
+    return key
+
+
+def mod_entry(key: str) -> ModEntry:
+    entry = _ENTRIES.get(key)
+    if entry is None:
+        raise FlexlabValueError(f"no flexlab mods registered under {key!r}; keys come from register_mods()")
+    return entry
+
+
+def rebuild_block_mask(block_mask: list[Optional[Tensor]], block_size: list[int], mask_mod, q_len: int,
+                       kv_len: int):
+    """A torch BlockMask from the op's tensor list (None when the list is empty)."""
+    if not block_mask:
+        return None
+    from torch.nn.attention.flex_attention import BlockMask, noop_mask
+    kv_num, kv_idx, full_num, full_idx = block_mask[:4]
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tuple(block_size),
+                                    mask_mod=mask_mod or noop_mask, seq_lengths=(q_len, kv_len),
+                                    compute_q_blocks=False)
+
+
+# ----------------------------------------------------------------------------------------------------- forward
+@torch.library.custom_op("flexlab::flex_attention_fwd", mutates_args=())
+def flex_attention_fwd(q: Tensor, k: Tensor, v: Tensor, aux_tensors: list[Tensor],
+                       block_mask: list[Optional[Tensor]], block_size: list[int], scale: float, mods: str,
+                       aux_scalars: list[float], deterministic: bool) -> tuple[Tensor, Tensor]:
+    """(out (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) fp32, natural log). `deterministic` is for the backward."""
+    entry = mod_entry(mods)
+    bm = rebuild_block_mask(block_mask, block_size, entry.mask_mod, q.shape[2], k.shape[2])
+    enable_gqa = q.shape[1] != k.shape[1]
+    if q.is_cuda:
+        from .backends.cute import flex_attention_forward
+        out, lse = flex_attention_forward(q, k, v, entry.score_mod, bm, scale, enable_gqa)
+        return out, lse.float()
+    from .kernels.bwd_reference import dense_forward, kept_pairs
+    keep = kept_pairs(bm, entry.generated, q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.device)
+    return dense_forward(q, k, v, scale, entry.generated, keep)
+
+
+@flex_attention_fwd.register_fake
+def _(q, k, v, aux_tensors, block_mask, block_size, scale, mods, aux_scalars, deterministic):
+    B, Hq, Sq, _ = q.shape
+    return q.new_empty((B, Hq, Sq, v.shape[-1])), q.new_empty((B, Hq, Sq), dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------- backward
+@torch.library.custom_op("flexlab::flex_attention_bwd", mutates_args=())
+def flex_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                       dlse: Optional[Tensor], aux_tensors: list[Tensor], block_mask: list[Optional[Tensor]],
+                       block_size: list[int], scale: float, mods: str, aux_scalars: list[float],
+                       deterministic: bool) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """(dq, dk, dv, grads of the captured tensors listed by `ModEntry.grad_slots`, fp32)."""
+    entry = mod_entry(mods)
+    if q.is_cuda:
+        from .kernels.bwd_launch import backward
+        return backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, block_size, scale,
+                        aux_scalars, deterministic)
+    from .kernels.bwd_reference import dense_backward, kept_pairs
+    bm = rebuild_block_mask(block_mask, block_size, entry.mask_mod, q.shape[2], k.shape[2])
+    keep = kept_pairs(bm, entry.generated, q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.device)
+    dq, dk, dv, aux_grads = dense_backward(dout, q, k, v, out, lse, dlse, scale, entry.generated, keep)
+    return dq, dk, dv, aux_grads
+
+
+@flex_attention_bwd.register_fake
+def _(dout, q, k, v, out, lse, dlse, aux_tensors, block_mask, block_size, scale, mods, aux_scalars, deterministic):
+    slots = mod_entry(mods).grad_slots
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            [aux_tensors[i].new_empty(aux_tensors[i].shape, dtype=torch.float32) for i in slots])

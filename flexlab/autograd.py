@@ -1,0 +1,89 @@
+"""Gradients of flexlab attention: the autograd formula of the forward custom op, and the differentiable entry.
+
+`flex_attention_fwd` saves Q, K, V, O and the LSE; its backward calls `flex_attention_bwd`, which recomputes the
+probabilities from the LSE (nothing S x S is kept between the passes) and also returns the gradients of captured
+tensors that require grad (learnable biases, ALiBi slopes, ...). A gradient flowing into the returned LSE is folded
+into the preprocess term D, so `return_lse=True` outputs are differentiable too.
+
+`differentiable_attention` is what `flexlab.flex_attention` calls for backend="cute" when gradients are needed. It is
+written so that `torch.compile(fullgraph=True)` traces it without graph breaks: the mods are resolved to a registry
+key by a function Dynamo runs once at trace time (`assume_constant_result`), and the captured tensors are read from
+the registry, where Dynamo lifts them to graph inputs. Under torch.compile, captured Python numbers (window sizes,
+softcaps) are therefore read when the graph is traced.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _ops
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, aux_tensors, block_mask, block_size, scale, mods, aux_scalars, deterministic = inputs
+    out, lse = output
+    ctx.num_aux = len(aux_tensors)
+    ctx.mask_present = [t is not None for t in block_mask]
+    ctx.block_size, ctx.scale, ctx.mods = block_size, scale, mods
+    ctx.num_block_size = len(block_size)
+    ctx.aux_scalars, ctx.deterministic = aux_scalars, deterministic
+    ctx.save_for_backward(q, k, v, out, lse, *aux_tensors, *[t for t in block_mask if t is not None])
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, *rest = ctx.saved_tensors
+    aux_tensors, mask_tensors = rest[:ctx.num_aux], iter(rest[ctx.num_aux:])
+    block_mask = [next(mask_tensors) if present else None for present in ctx.mask_present]
+    dq, dk, dv, grads = _ops.flex_attention_bwd(
+        dout.contiguous(), q, k, v, out, lse, dlse, list(aux_tensors), block_mask, ctx.block_size, ctx.scale,
+        ctx.mods, ctx.aux_scalars, ctx.deterministic)
+    aux_grads = [None] * ctx.num_aux
+    for slot, g in zip(_ops.mod_entry(ctx.mods).grad_slots, grads):
+        aux_grads[slot] = g.to(aux_tensors[slot].dtype)
+    return (dq, dk, dv, aux_grads, _no_grad_like(ctx.mask_present), _no_grad_like([False] * ctx.num_block_size),
+            None, None,
+            _no_grad_like([False] * len(ctx.aux_scalars)), None)
+
+
+def _no_grad_like(is_tensor: list[bool]):
+    """The 'no gradient' that mirrors a list input: torch treats an all-tensor (or empty) list as a node of the
+    input tree and anything else as a leaf, and the backward must return the same tree."""
+    return [None] * len(is_tensor) if all(is_tensor) else None
+
+
+_ops.flex_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch._dynamo.assume_constant_result
+def _mods_key(score_mod, mask_mod) -> str:
+    """Registry key of the mods; run eagerly even inside torch.compile, whose graph then holds the string."""
+    return _ops.register_mods(score_mod, mask_mod)
+
+
+def _block_mask_tensors(block_mask) -> tuple[list, list]:
+    if block_mask is None:
+        return [], []
+    tensors = [block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+               block_mask.full_kv_indices, block_mask.q_num_blocks, block_mask.q_indices,
+               block_mask.full_q_num_blocks, block_mask.full_q_indices]
+    return tensors, [int(block_mask.BLOCK_SIZE[0]), int(block_mask.BLOCK_SIZE[1])]
+
+
+def differentiable_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
+                             return_lse=False, deterministic: bool | None = None):
+    """flex_attention through flexlab's custom ops (inputs already validated by `flexlab.api`).
+
+    deterministic: bitwise-reproducible gradients; None follows `torch.are_deterministic_algorithms_enabled()`.
+    """
+    from torch.nn.attention.flex_attention import noop_mask
+    mask_mod = None
+    if block_mask is not None and block_mask.mask_mod is not noop_mask:
+        mask_mod = block_mask.mask_mod
+    key_ = _mods_key(score_mod, mask_mod)
+    entry = _ops.mod_entry(key_)
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    mask_tensors, block_size = _block_mask_tensors(block_mask)
+    out, lse = _ops.flex_attention_fwd(query, key, value, entry.aux_tensors, mask_tensors, block_size, scale, key_,
+                                       entry.aux_scalars, bool(deterministic))
+    return (out, lse) if return_lse else out

@@ -1,0 +1,244 @@
+"""flexlab's custom ops and their autograd formula.
+
+On CPU the ops run dense math with the backward kernel's algorithm (preprocess D, P from the LSE, dS, the generated
+score_mod_bwd and captured-tensor gradients); every gradient is compared with torch autograd through the float64
+reference backend, which differentiates the user's own Python mods. torch.compile(fullgraph=True) must trace a model
+that calls the ops without graph breaks. GPU tests (marked `gpu`) run the Hopper kernels against the same reference.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexlab
+from flexlab import _ops
+from flexlab.autograd import differentiable_attention
+from flexlab.backends.reference import reference_attention
+from flexlab.gallery import load_gallery
+from flexlab.testing import random_qkv, rel_l2
+
+TOL_F64 = 1e-5  # the ops keep the LSE in fp32, so float64 inputs agree to ~1e-7, not 1e-12
+
+
+def _grads(fn, tensors, weights):
+    for t in tensors:
+        t.grad = None
+    outs = fn()
+    loss = sum((o.double() * w).sum() for o, w in zip(outs, weights) if w is not None)
+    loss.backward()
+    return [o.detach() for o in outs], [None if t.grad is None else t.grad.clone() for t in tensors]
+
+
+def _compare(q, k, v, score_mod=None, block_mask=None, trainable=(), with_lse=False, scale=None):
+    gqa = q.shape[1] != k.shape[1]
+    leaves = [q, k, v, *trainable]
+    weights = None
+
+    def ours():
+        out, lse = differentiable_attention(q, k, v, score_mod, block_mask, scale, gqa, return_lse=True)
+        return out, lse
+
+    def ref():
+        return reference_attention(q, k, v, score_mod, block_mask, scale, gqa, torch.float64)
+
+    with torch.no_grad():
+        out0, lse0 = ref()
+    weights = [torch.randn_like(out0), torch.randn_like(lse0).masked_fill(~torch.isfinite(lse0), 0.0)
+               if with_lse else None]
+    (out, lse), g_ours = _grads(ours, leaves, weights)
+    (ref_out, ref_lse), g_ref = _grads(ref, leaves, weights)
+    assert rel_l2(out, ref_out) < TOL_F64
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    names = ["dq", "dk", "dv"] + [f"d(captured {i})" for i in range(len(trainable))]
+    for name, a, b in zip(names, g_ours, g_ref):
+        assert a is not None, f"{name} missing"
+        assert not torch.isnan(a).any(), f"NaN in {name}"
+        assert rel_l2(a, b) < TOL_F64, f"{name}: rel-L2 {rel_l2(a, b):.2e}"
+    return g_ours
+
+
+def test_dense_mha_matches_reference():
+    q, k, v = random_qkv(2, 3, 70, 90, 16, torch.float64, requires_grad=True)
+    _compare(q, k, v)
+
+
+def test_gqa_causal_block_mask_unequal_lengths():
+    q, k, v = random_qkv(1, 4, 100, 130, 16, torch.float64, Hkv=2, requires_grad=True)
+    bm = flexlab.create_block_mask(lambda b, h, qi, kv: qi + 30 >= kv, 1, 1, 100, 130, BLOCK_SIZE=32)
+    _compare(q, k, v, block_mask=bm, scale=0.3)
+
+
+def test_lse_output_is_differentiable():
+    q, k, v = random_qkv(1, 2, 40, 50, 8, torch.float64, requires_grad=True)
+    _compare(q, k, v, with_lse=True)
+
+
+def test_fully_masked_rows_get_zero_gradient_not_nan():
+    q, k, v = random_qkv(1, 2, 64, 64, 8, torch.float64, requires_grad=True)
+    bm = flexlab.create_block_mask(lambda b, h, qi, kv: (qi < 40) & (kv <= qi), 1, 1, 64, 64, BLOCK_SIZE=16)
+    dq, dk, dv = _compare(q, k, v, block_mask=bm)
+    assert (dq[:, :, 40:] == 0).all()
+
+
+def test_learnable_bias_gradient():
+    bias = (0.1 * torch.randn(3, 9, dtype=torch.float64)).requires_grad_(True)
+
+    def rel_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h, torch.clamp(kv_idx - q_idx, -4, 4) + 4]
+
+    q, k, v = random_qkv(2, 3, 50, 60, 8, torch.float64, requires_grad=True)
+    grads = _compare(q, k, v, score_mod=rel_bias, trainable=[bias], with_lse=True)
+    assert grads[3].abs().sum() > 0
+
+
+def _lengths(variant):
+    for sq, skv in ((96, 96), (128, 128), (64, 96), (96, 64)):
+        if variant.accepts_lengths(sq, skv):
+            return sq, skv
+    pytest.skip(f"{variant.name}: none of the small test lengths fits its rule '{variant.lengths_rule}'")
+
+
+@pytest.mark.parametrize("name", sorted(load_gallery()))
+def test_gallery_variant_gradients(name):
+    """Every gallery variant: dQ, dK, dV and gradients of its trainable captured tensors, GQA, block size 32."""
+    variant = load_gallery()[name]
+    sq, skv = _lengths(variant)
+    mods = variant.build(B=1, H=4, Q_LEN=sq, KV_LEN=skv)
+    trainable = []
+    for t_name in variant.trainable:
+        t = mods.tensors[t_name]
+        if t.dtype != torch.float64:
+            t.data = t.data.double()
+        trainable.append(t.requires_grad_(True))
+    bm = None
+    if mods.mask_mod is not None:
+        bm = flexlab.create_block_mask(mods.mask_mod, 1, 4, sq, skv, BLOCK_SIZE=32)
+    q, k, v = random_qkv(1, 4, sq, skv, 16, torch.float64, Hkv=2, requires_grad=True)
+    _compare(q, k, v, score_mod=mods.score_mod, block_mask=bm, trainable=trainable)
+
+
+def test_unknown_mods_key_is_a_clear_error():
+    with pytest.raises(flexlab.FlexlabError, match="no flexlab mods registered"):
+        _ops.mod_entry("not-a-key")
+
+
+def test_same_mods_reuse_one_registry_entry():
+    def causal(b, h, qi, kv):
+        return qi >= kv
+
+    assert _ops.register_mods(None, causal) == _ops.register_mods(None, causal)
+    assert _ops.register_mods(None, causal) != _ops.register_mods(None, lambda b, h, qi, kv: qi >= kv)
+
+
+def test_opcheck_forward_and_backward_ops():
+    """Schema, fake implementation and autograd registration agree with the real implementation."""
+    bias = torch.randn(2, 7).requires_grad_(True)
+
+    def rel_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h, torch.clamp(kv_idx - q_idx, -3, 3) + 3]
+
+    key = _ops.register_mods(rel_bias, None)
+    entry = _ops.mod_entry(key)
+    q, k, v = random_qkv(1, 2, 24, 40, 8, torch.float32, requires_grad=True)
+    args = (q, k, v, entry.aux_tensors, [], [], 0.3, key, entry.aux_scalars, False)
+    torch.library.opcheck(_ops.flex_attention_fwd, args)
+    out, lse = _ops.flex_attention_fwd(*args)
+    bwd_args = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), None,
+                entry.aux_tensors, [], [], 0.3, key, entry.aux_scalars, False)
+    torch.library.opcheck(_ops.flex_attention_bwd, bwd_args, test_utils=("test_schema", "test_faketensor"))
+
+
+class _TinyBlock(torch.nn.Module):
+    def __init__(self, heads: int, dim: int, score_mod):
+        super().__init__()
+        self.heads, self.dim, self.score_mod = heads, dim, score_mod
+        self.qkv = torch.nn.Linear(heads * dim, 3 * heads * dim)
+
+    def forward(self, x, block_mask):
+        B, S, _ = x.shape
+        q, k, v = self.qkv(x).view(B, S, 3, self.heads, self.dim).permute(2, 0, 3, 1, 4)
+        return differentiable_attention(q, k, v, self.score_mod, block_mask).sum()
+
+
+def test_torch_compile_fullgraph_no_graph_break():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    bias = (0.1 * torch.randn(2, 17)).requires_grad_(True)
+
+    def rel_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h, torch.clamp(kv_idx - q_idx, -8, 8) + 8]
+
+    torch._dynamo.reset()
+    model = _TinyBlock(2, 8, rel_bias)
+    bm = flexlab.create_block_mask(lambda b, h, qi, kv: qi >= kv, 1, 1, 48, 48, BLOCK_SIZE=16)
+    x = torch.randn(2, 48, 16)
+    counter = CompileCounterWithBackend("aot_eager")  # AOTAutograd with fake tensors; no C++ compiler needed
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    loss = compiled(x, bm)
+    loss.backward()
+    compiled_grads = [bias.grad.clone(), model.qkv.weight.grad.clone()]
+    assert counter.frame_count == 1
+    graph_ops = [str(n.target) for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert any("flex_attention_fwd" in op for op in graph_ops), graph_ops
+
+    bias.grad = None
+    model.zero_grad()
+    eager = model(x, bm)
+    eager.backward()
+    assert torch.allclose(loss, eager, rtol=1e-5, atol=1e-5)
+    assert rel_l2(compiled_grads[0], bias.grad) < 1e-5
+    assert rel_l2(compiled_grads[1], model.qkv.weight.grad) < 1e-5
+    compiled(x, bm)
+    assert counter.frame_count == 1, "a second call must not recompile"
+
+
+# ----------------------------------------------------------------------------------------------------- GPU (H200)
+def _hopper():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 GPU (H100/H200)")
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("Hkv", [4, 2])
+def test_cuda_ops_gradients_match_float64_reference(D, Hkv):
+    from flexlab.testing import reference
+    bias = (0.1 * torch.randn(4, 65, device="cuda")).requires_grad_(True)
+
+    def rel_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h, torch.clamp(kv_idx - q_idx, -32, 32) + 32]
+
+    S = 1000
+    bm = flexlab.create_block_mask(lambda b, h, qi, kv: qi >= kv, 1, 1, S, S, device="cuda")
+    q, k, v = random_qkv(2, 4, S, S, D, torch.bfloat16, "cuda", Hkv=Hkv, requires_grad=True)
+    out = differentiable_attention(q, k, v, rel_bias, bm, enable_gqa=Hkv != 4)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ours = [t.grad.clone() for t in (q, k, v, bias)]
+    for t in (q, k, v, bias):
+        t.grad = None
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    ref_out, _ = reference(q64, k64, v64, rel_bias, bm, None, Hkv != 4)
+    ref_out.backward(dout.double())
+    for name, a, b in zip(("dq", "dk", "dv", "dbias"), ours, (q64.grad, k64.grad, v64.grad, bias.grad)):
+        assert not torch.isnan(a).any(), name
+        assert rel_l2(a, b) < 2e-2, f"{name}: {rel_l2(a, b):.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 GPU (H100/H200)")
+def test_cuda_deterministic_mode_is_bitwise_repeatable():
+    S = 1000
+    bm = flexlab.create_block_mask(lambda b, h, qi, kv: (qi >= kv) & (qi - kv < 300), 1, 1, S, S, device="cuda")
+    q, k, v = random_qkv(2, 4, S, S, 128, torch.bfloat16, "cuda", Hkv=2, requires_grad=True)
+    dout = torch.randn(2, 4, S, 128, device="cuda", dtype=torch.bfloat16)
+    runs = []
+    for _ in range(5):
+        for t in (q, k, v):
+            t.grad = None
+        differentiable_attention(q, k, v, None, bm, enable_gqa=True, deterministic=True).backward(dout)
+        runs.append([t.grad.clone() for t in (q, k, v)])
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
