@@ -84,9 +84,9 @@ def default_config(head_dim: int, block_sparse: bool = False, has_score_mod: boo
     default 128 block size needs 128-row tiles, and a score_mod's extra registers spill at 160 per thread.
     """
     if head_dim <= 64:
-        if not block_sparse and not has_score_mod:
-            return FwdConfig(head_dim=64, tile_m=192, tile_n=128, num_stages=2)
+        if not block_sparse and not has_score_mod:  # H200, B4 S4k: 496 TFLOP/s vs 465 with 2 stages, 430 at 128 rows
+            return FwdConfig(head_dim=64, tile_m=192, tile_n=128, num_stages=3)
         return FwdConfig(head_dim=64, tile_m=128, tile_n=128, num_stages=2)
-    if head_dim <= 128:
+    if head_dim <= 128:  # H200, B1 S16k: 633 TFLOP/s; tile_n=176 gave 635 (noise); 3 stages do not fit in smem
         return FwdConfig(head_dim=128, tile_m=128, tile_n=128, num_stages=2)
     return FwdConfig(head_dim=256, tile_m=128, tile_n=64, num_stages=2)

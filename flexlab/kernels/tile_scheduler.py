@@ -9,6 +9,8 @@ the tail of the last wave instead of leaving SMs idle.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
@@ -33,6 +35,7 @@ def current_tile(order, num_m_blocks: Int32, num_heads: Int32, num_hb: Int32, he
     return m_block, head, batch
 
 
+@lru_cache(maxsize=1024)
 def heads_per_group(seqlen_k: int, head_dim: int, elem_bytes: int, qhead_per_kvhead: int, num_hb: int,
                     l2_budget_bytes: int = 32 * 1024 * 1024) -> int:
     """How many (batch, head) pairs share L2 at a time: K+V of one KV head, split over the query heads reading it."""

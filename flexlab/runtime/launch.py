@@ -20,8 +20,8 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 def tma_ready(t: torch.Tensor) -> torch.Tensor:
     """TMA needs a unit stride on D, 16-byte aligned other strides and base address; copy only when that fails."""
-    ok = (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-          and all(s % 8 == 0 and s > 0 for s in t.stride()[:-1]))
+    s0, s1, s2, s3 = t.stride()
+    ok = s3 == 1 and not (s0 % 8 or s1 % 8 or s2 % 8 or t.data_ptr() % 16) and s0 and s1 and s2
     return t if ok else t.contiguous()
 
 
@@ -70,16 +70,22 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: KernelMods 
             config: FwdConfig | None = None, arch: str = "sm_90a") -> tuple[torch.Tensor, torch.Tensor]:
     """Run the Hopper forward kernel. q (B, Hq, Sq, D), k/v (B, Hkv, Skv, D) on one CUDA device, bf16/fp16."""
     B, Hq, Sq, D = q.shape
-    Hkv, Skv = k.shape[1], k.shape[2]
-    cfg = config or config_for(D, block_mask is not None, mods)
+    _, Hkv, Skv, _ = k.shape
+    sparse = order = None
+    fast = (mods, q.dtype, D, block_mask is not None, arch) if config is None else None
+    hit = _FAST.get(fast) if fast is not None else None
+    if hit is None:
+        cfg = config or config_for(D, block_mask is not None, mods)
+        hit = _compiled(mods, q.dtype, cfg, arch, block_mask is not None)
+        if fast is not None:
+            _FAST[fast] = hit
+    fn, key = hit
+    if block_mask is not None:
+        kbm = kernel_block_mask(block_mask, Sq, key.config.tile_m, key.config.tile_n)
+        sparse, order = kbm.as_args(), kbm.order
     q, k, v = tma_ready(q), tma_ready(k), tma_ready(v)
     out = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
-    sparse = order = None
-    if block_mask is not None:
-        kbm = kernel_block_mask(block_mask, Sq, cfg.tile_m, cfg.tile_n)
-        sparse, order = kbm.as_args(), kbm.order
-    fn, key = _compiled(mods, q.dtype, cfg, arch, sparse is not None)
     scale = D ** -0.5 if scale is None else float(scale)
     qpk = Hq // Hkv
     group = heads_per_group(Skv, D, 2, qpk, B * Hq)
