@@ -1,0 +1,86 @@
+"""Backward preprocess: per query row, D = rowsum(dO * O) - dLSE and the LSE in base 2, padded to whole Q tiles.
+
+The main backward kernel recomputes P = exp2(S * c - LSE2) and needs D for dS = P * (dP - D). Doing both per row
+once here keeps the main loop free of reductions over the head dim. Rows are padded to a multiple of the backward
+tile so the main kernel reads these buffers without bounds checks; a padded or fully masked row gets LSE2 = +inf,
+which makes every P of that row exactly 0 (so it contributes no gradient), and D = 0.
+
+One row is handled by `THREADS_PER_ROW` consecutive lanes, each loading D / THREADS_PER_ROW contiguous elements of O
+and dO (16-byte vector loads) and reducing with butterfly shuffles.
+"""
+from __future__ import annotations
+
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+LOG2_E = math.log2(math.e)
+THREADS_PER_ROW = 8
+NUM_THREADS = 128
+ROWS_PER_CTA = NUM_THREADS // THREADS_PER_ROW
+
+
+class BwdPreprocess:
+    """Compile-time configuration: element type, head dim, and whether a gradient flows into the LSE output."""
+
+    def __init__(self, dtype, head_dim: int, has_dlse: bool):
+        if head_dim % (THREADS_PER_ROW * 8):
+            raise ValueError(f"head_dim={head_dim} must be a multiple of {THREADS_PER_ROW * 8}")
+        self.dtype, self.head_dim, self.has_dlse = dtype, head_dim, has_dlse
+        self.chunk = head_dim // THREADS_PER_ROW
+
+    @cute.jit
+    def __call__(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE, mDpsum: cute.Tensor,
+                 mLSE2: cute.Tensor, stream: cuda.CUstream):
+        """mO/mdO (B, H, Sq, D); mLSE/mdLSE (B, H, Sq) fp32; mDpsum/mLSE2 (B, H, Sq_padded) fp32 outputs."""
+        grid = [cute.ceil_div(mDpsum.shape[2], ROWS_PER_CTA), mO.shape[1], mO.shape[0]]
+        self.kernel(mO, mdO, mLSE, mdLSE, mDpsum, mLSE2).launch(grid=grid, block=[NUM_THREADS, 1, 1],
+                                                                stream=stream)
+
+    @cute.kernel
+    def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE, mDpsum: cute.Tensor,
+               mLSE2: cute.Tensor):
+        tidx = cute.arch.thread_idx()[0]
+        row_block, head, batch = cute.arch.block_idx()
+        row = row_block * ROWS_PER_CTA + tidx // THREADS_PER_ROW
+        part = tidx % THREADS_PER_ROW
+        seqlen_q = mO.shape[2]
+        dot = Float32(0.0)
+        if row < seqlen_q:
+            o = cute.local_tile(mO[batch, head, row, None], (self.chunk,), (part,)).load().to(Float32)
+            do = cute.local_tile(mdO[batch, head, row, None], (self.chunk,), (part,)).load().to(Float32)
+            dot = (o * do).reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        for offset in cutlass.range_constexpr(int(math.log2(THREADS_PER_ROW)) - 1, -1, -1):
+            dot = dot + cute.arch.shuffle_sync_bfly(dot, offset=1 << offset)
+        if part == 0 and row < mDpsum.shape[2]:
+            lse2 = Float32.inf
+            d = Float32(0.0)
+            if row < seqlen_q:
+                lse = Float32(mLSE[batch, head, row])
+                if lse != -Float32.inf:
+                    lse2 = lse * LOG2_E
+                    d = dot
+                    if cutlass.const_expr(self.has_dlse):
+                        d = dot - Float32(mdLSE[batch, head, row])
+            mDpsum[batch, head, row] = d
+            mLSE2[batch, head, row] = lse2
+
+
+def fake_arguments(dtype, head_dim: int, has_dlse: bool):
+    """Symbolic-shape stand-ins for compiling without a GPU (same kinds as the launcher passes)."""
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+
+    def bhsd():
+        shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), head_dim)
+        stride = (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1)
+        return make_fake_tensor(dtype, shape, stride, assumed_align=16)
+
+    def rows():
+        return make_fake_compact_tensor(Float32, (cute.sym_int32(), cute.sym_int32(), cute.sym_int32()),
+                                        stride_order=(2, 1, 0), assumed_align=4)
+
+    return (bhsd(), bhsd(), rows(), rows() if has_dlse else None, rows(), rows(),
+            make_fake_stream(use_tvm_ffi_env_stream=False))
