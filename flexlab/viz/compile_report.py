@@ -90,7 +90,7 @@ def parse_ptxas_verbose(text: str) -> dict:
     return out
 
 
-_SASS_LINE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Z0-9_]+)*)")
+_SASS_LINE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Za-z0-9_]+)*)")
 
 
 def sass_opcodes(sass: str) -> Counter:
@@ -244,20 +244,7 @@ def forward_kernel_report(score_mod=None, mask_mod=None, *, dtype: str = "bfloat
         rep = CompileReport(kernel=kernel, arch=arch)
         rep.missing.append(_missing("cutlass"))
         return rep
-    from ..kernels.config import default_config
-    from ..runtime.compile import CompileKey, KernelMods
-
-    cfg = default_config(head_dim)
-    mods = KernelMods()
-    if score_mod is not None or mask_mod is not None:
-        # Exactly what backend="cute" compiles for these mods (UnsupportedModError names the user's line).
-        from types import SimpleNamespace
-
-        from ..backends.cute import _kernel_mods
-        mods = _kernel_mods(score_mod, SimpleNamespace(mask_mod=mask_mod) if mask_mod is not None else None)[0]
-    sparse = (mask_mod is not None) if block_sparse is None else block_sparse
-    key = CompileKey(mods.source_hash, mods.score_mod is not None, mods.mask_mod is not None, mods.aux_tensor_specs,
-                     mods.aux_scalar_kinds, dtype, cfg, arch, sparse, sparse, tvm_ffi=False)
+    key, mods, cfg = _forward_key(score_mod, mask_mod, dtype, head_dim, block_sparse, arch)
     hit = _FORWARD_REPORTS.get(key)
     if hit is not None:
         return hit
@@ -272,6 +259,26 @@ def forward_kernel_report(score_mod=None, mask_mod=None, *, dtype: str = "bfloat
                           smem_dynamic_bytes=cfg.smem_bytes())
     _FORWARD_REPORTS[key] = rep
     return rep
+
+
+def _forward_key(score_mod, mask_mod, dtype: str, head_dim: int, block_sparse: Optional[bool], arch: str):
+    """(compile key, kernel mods, config) exactly as backend="cute" would build them for a launch with these mods
+    (UnsupportedModError from the code generator names the user's line). TVM-FFI is off: we want PTX, not a .so."""
+    import dataclasses
+
+    import torch
+
+    from ..backends import cute as backend
+    from ..runtime import launch
+    from ..runtime.compile import KernelMods
+
+    mask = None if mask_mod is None or backend._is_noop_mask(mask_mod) else mask_mod
+    mods = KernelMods() if score_mod is None and mask is None else backend._lowered(score_mod, mask).mods
+    sparse = (mask is not None) if block_sparse is None else bool(block_sparse)
+    cfg = launch.config_for(head_dim, sparse, mods)
+    torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    key = dataclasses.replace(launch.compile_key(mods, torch_dtype, cfg, arch, sparse), tvm_ffi=False)
+    return key, mods, cfg
 
 
 def _forward_ptx(key, mods) -> str:
