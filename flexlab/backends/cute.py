@@ -13,7 +13,7 @@ import torch
 from ..errors import BackendUnavailableError, UnsupportedModError
 
 _DTYPES = (torch.bfloat16, torch.float16)
-_HEAD_DIMS = (64, 128)
+_HEAD_DIMS = (64, 128, 256)
 
 
 def _captured_state(fn) -> tuple:

@@ -22,7 +22,7 @@ def _key(D, **kw):
     return CompileKey(**base)
 
 
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 def test_dense_kernel_compiles_without_spills(D):
     rep = compile_report(_key(D))
     assert rep.has_wgmma and rep.has_tma
