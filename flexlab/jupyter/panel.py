@@ -188,8 +188,41 @@ class ResultPanel:
             return widgets.VBox([widgets.HTML(rep._repr_html_()), out])
         if name == "code":
             view = self.source()
-            return widgets.HTML("<i>no mods</i>" if view is None else view._repr_html_())
+            if view is None:
+                return widgets.HTML("<i>no mods</i>")
+            shown = widgets.HTML(view._repr_html_())
+            if view.report is not None or view.source is None:
+                return shown
+            button = widgets.Button(description="Compile report (sm_90a)", icon="cogs",
+                                    tooltip="compile our forward kernel with these mods to PTX and SASS; no GPU needed")
+            button.add_class("flexlab-compile-report-button")
+
+            def compile_now(_button):
+                button.disabled, button.description = True, "compiling…"
+                self.add_compile_report()
+                shown.value = view._repr_html_()
+                button.layout.display = "none"
+
+            button.on_click(compile_now)
+            box = widgets.VBox([button, shown])
+            box.compile_button = button
+            return box
         return None
+
+    def add_compile_report(self):
+        """Compile our kernel around the mods (tens of seconds on a CPU) and attach the report to the source view."""
+        view = self.source()
+        if view is None or view.source is None or view.report is not None:
+            return None if view is None else view.report
+        from ..viz.compile_report import forward_kernel_report
+        mods, spec = self.result.mods, self.result.spec
+        try:
+            view.report = forward_kernel_report(mods.score_mod, mods.mask_mod,
+                                                dtype="float16" if spec.dtype == "fp16" else "bfloat16",
+                                                head_dim=spec.D if spec.D in (64, 128) else 128)
+        except Exception as err:                                   # noqa: BLE001 - shown in the view
+            view.error = f"compile report failed: {type(err).__name__}: {err}"
+        return view.report
 
     def _repr_mimebundle_(self, **kwargs):
         try:
