@@ -358,6 +358,14 @@ def inspect_blocks(mask, B: Optional[int] = None, H: Optional[int] = None, Q_LEN
         label = name or getattr(mask, "__name__", "mask_mod")
     else:
         raise FlexlabTypeError(f"mask must be a BlockMask or a mask_mod callable, got {type(mask).__name__}")
+    # A mask shared over batch/heads (size 1 there) still launches B*H CTAs per Q tile: expand it for the
+    # load-balance simulation when the caller says how many there are.
+    for dim, want in ((0, B), (1, H)):
+        if want is not None and states.shape[dim] != want:
+            if states.shape[dim] != 1:
+                raise FlexlabValueError(f"the mask has {states.shape[dim]} {'batches' if dim == 0 else 'heads'}, "
+                                        f"cannot view it as {want}")
+            states = states.expand(*[want if d == dim else n for d, n in enumerate(states.shape)])
     return SparsityReport(states, (tq, tk), seq, head_dim=head_dim, num_sms=num_sms, partial_cost=partial_cost,
                           build_cost=cost, name=label)
 

@@ -138,3 +138,12 @@ def test_bad_input_is_named():
         inspect_blocks(42)
     with pytest.raises(ValueError, match="tile must be"):
         inspect_blocks(causal, Q_LEN=64, tile=(0, 128))
+
+
+def test_shared_mask_expands_to_the_launch_batch_and_heads():
+    bm = create_block_mask(causal, 1, 1, 1024, 1024)
+    rep = inspect_blocks(bm, B=2, H=4, num_sms=8)
+    assert rep.states.shape == (2, 4, 8, 8) and rep.counts()["full"] == 8 * 28
+    assert rep.schedule().shape == (64, 3) and float(rep.sm_loads().sum()) == 8 * 36
+    with pytest.raises(ValueError, match="cannot view it as 3"):
+        inspect_blocks(create_block_mask(causal, 2, 1, 256, 256), B=3)
