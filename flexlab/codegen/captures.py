@@ -121,7 +121,9 @@ class CaptureRewriter:
                 return value
             return self.rewrite(value, depth + 1)
         if type(value) in (tuple, list):
-            items = [self._value(v, slot + (str(i),), name, depth) for i, v in enumerate(value)]
+            # Only the functions inside (and_masks keeps its mods in a tuple); numbers in containers stay constants,
+            # because code that inspects containers (isinstance, len, unpacking) must see plain Python values.
+            items = [self.rewrite(v, depth + 1) if callable(v) else v for v in value]
             if all(a is b for a, b in zip(items, value)):
                 return value
             return type(value)(items)
