@@ -37,7 +37,7 @@ class OnlineSoftmax(Carried):
         s_rows = rows_view(acc_s)
         for r in cutlass.range_constexpr(cute.size(self.row_max)):
             row = s_rows[r, None].load()
-            m_blk = row.reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+            m_blk = row_max_ilp(s_rows[r, None])
             m_new = cute.arch.fmax(self.row_max[r], cute.arch.warp_reduction_max(m_blk, threads_in_group=4))
             m_prev = self.row_max[r]
             self.row_max[r] = m_new
@@ -47,8 +47,8 @@ class OnlineSoftmax(Carried):
             p = cute.math.exp2(row * self.log2_scale - shift, fastmath=True)
             scale = cute.math.exp2((m_prev - m_safe) * self.log2_scale, fastmath=True)
             row_scale[r] = scale
-            self.row_sum[r] = p.reduce(cute.ReductionOp.ADD, self.row_sum[r] * scale, 0)
             s_rows[r, None].store(p)
+            self.row_sum[r] = row_sum_ilp(s_rows[r, None], self.row_sum[r] * scale)
 
     @cute.jit
     def finalize(self, lse: cute.Tensor, out_scale: cute.Tensor):
@@ -61,6 +61,28 @@ class OnlineSoftmax(Carried):
             out_scale[r] = Float32(0.0) if empty else cute.arch.rcp_approx(total)
             lse_val = (self.row_max[r] * self.log2_scale + cute.math.log2(total, fastmath=True)) * math.log(2.0)
             lse[r] = -Float32.inf if empty else lse_val
+
+
+@cute.jit
+def row_max_ilp(row: cute.Tensor) -> Float32:
+    """Max of one row fragment with four independent chains, so the reduction is not one long dependent sequence."""
+    n = cute.size(row)
+    acc = [row[0], row[1], row[2], row[3]]
+    for i in cutlass.range_constexpr(4, n, 4):
+        for j in cutlass.range_constexpr(4):
+            acc[j] = cute.arch.fmax(acc[j], row[i + j])
+    return cute.arch.fmax(cute.arch.fmax(acc[0], acc[1]), cute.arch.fmax(acc[2], acc[3]))
+
+
+@cute.jit
+def row_sum_ilp(row: cute.Tensor, init: Float32) -> Float32:
+    """Sum of one row fragment plus `init`, four independent chains."""
+    n = cute.size(row)
+    acc = [row[0] + init, row[1], row[2], row[3]]
+    for i in cutlass.range_constexpr(4, n, 4):
+        for j in cutlass.range_constexpr(4):
+            acc[j] = acc[j] + row[i + j]
+    return (acc[0] + acc[1]) + (acc[2] + acc[3])
 
 
 @cute.jit

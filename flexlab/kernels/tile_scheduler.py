@@ -1,15 +1,13 @@
 """Which (Q tile, head, batch) a CTA computes: L2-aware grouping of heads, longest-work-first Q tiles.
 
 The grid is 1-D. CTAs are dealt out in groups of `heads_per_group` (batch, head) pairs, chosen on the host so that
-the K/V of one group fit in L2 together; inside a group the Q-tile rank is the slow index and the head the fast one.
+the K/V of one group fit in L2 together (`flexlab.runtime.schedule.heads_per_group`); inside a group the Q-tile rank is the slow index and the head the fast one.
 So while a group runs, every K/V block is fetched from HBM once and then re-read from L2 by the other Q tiles, and
 every head's rank-0 tile starts before any rank-1 tile. With a block mask the host ranks Q tiles longest-work-first
 (`order`: KV blocks visited, summed over batch and heads, descending), so heavy tiles start early and light ones fill
 the tail of the last wave instead of leaving SMs idle.
 """
 from __future__ import annotations
-
-from functools import lru_cache
 
 import cutlass
 import cutlass.cute as cute
@@ -33,11 +31,3 @@ def current_tile(order, num_m_blocks: Int32, num_heads: Int32, num_hb: Int32, he
     if cutlass.const_expr(order is not None):
         m_block = Int32(order[rank])
     return m_block, head, batch
-
-
-@lru_cache(maxsize=1024)
-def heads_per_group(seqlen_k: int, head_dim: int, elem_bytes: int, qhead_per_kvhead: int, num_hb: int,
-                    l2_budget_bytes: int = 32 * 1024 * 1024) -> int:
-    """How many (batch, head) pairs share L2 at a time: K+V of one KV head, split over the query heads reading it."""
-    per_qhead = max(1, 2 * seqlen_k * head_dim * elem_bytes // max(1, qhead_per_kvhead))
-    return max(1, min(num_hb, l2_budget_bytes // per_qhead))

@@ -11,8 +11,8 @@ from functools import lru_cache
 import torch
 
 from ..kernels.config import FwdConfig, default_config
-from ..kernels.tile_scheduler import heads_per_group
 from .compile import CompileKey, KernelMods, cutlass_version, kernel_cache, tvm_ffi_available
+from .schedule import heads_per_group
 from .sparsity import kernel_block_mask
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}

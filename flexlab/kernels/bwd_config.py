@@ -1,0 +1,92 @@
+"""Static configuration of the Hopper backward kernel, and the one check that a configuration fits the chip.
+
+The backward CTA owns `tile_n` rows of K/V (64 per consumer warpgroup) and walks Q in `tile_m`-row steps, so a
+BlockMask drives it when its KV block size is a multiple of `tile_n` and its Q block size a multiple of `tile_m`.
+`tile_m` divides and `tile_n` equals the forward tiles of `config.default_config`, so one mask built at torch's
+default BLOCK_SIZE=128 serves both passes for every supported head dim (`shares_block_mask_with_forward`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import REGISTERS_PER_SM, SMEM_BYTES_SM90, default_config
+
+BWD_HEAD_DIMS = (64, 128)
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    head_dim: int
+    tile_m: int = 64  # query rows per step: the N of the S^T = K Q^T GEMM
+    tile_n: int = 128  # key rows per CTA, split over tile_n // 64 consumer warpgroups
+    num_stages: int = 2  # depth of the Q/dO ring
+    dtype_bytes: int = 2
+
+    @property
+    def num_consumer_wgs(self) -> int:
+        return self.tile_n // 64
+
+    @property
+    def num_threads(self) -> int:
+        return 128 * (self.num_consumer_wgs + 1)
+
+    @property
+    def register_split(self) -> tuple[int, int]:
+        """(producer, consumer) registers per thread after `setmaxnreg`."""
+        return {1: (56, 256), 2: (24, 240)}[self.num_consumer_wgs]
+
+    def smem_bytes(self) -> int:
+        kv = 2 * self.tile_n * self.head_dim * self.dtype_bytes  # K and V (reused for dK, dV in the epilogue)
+        q_do = 2 * self.num_stages * self.tile_m * self.head_dim * self.dtype_bytes
+        ds = 2 * self.tile_m * self.tile_n * self.dtype_bytes  # double-buffered dS
+        dq = self.tile_m * self.head_dim * 4  # fp32 dQ partial, reduced into global by TMA
+        barriers = 8 * (2 + 2 * self.num_stages)
+        return kv + q_do + ds + dq + barriers + 6 * 1024
+
+    def feasibility_error(self) -> str | None:
+        """Why this configuration cannot run on sm90, or None when it can."""
+        if self.head_dim not in BWD_HEAD_DIMS:
+            return f"head_dim={self.head_dim} is not one of {BWD_HEAD_DIMS} for the backward kernel"
+        if self.tile_n not in (64, 128):
+            return f"tile_n={self.tile_n} must be 64 or 128 (one or two 64-row consumer warpgroups)"
+        if self.tile_m % 16 or not 16 <= self.tile_m <= 128:
+            return f"tile_m={self.tile_m} must be a multiple of 16 in [16, 128] (wgmma N and K granularity)"
+        if self.num_stages < 1:
+            return "num_stages must be at least 1"
+        if self.head_dim % (8 * self.num_consumer_wgs):
+            return "head_dim must split evenly over the consumer warpgroups for the dQ GEMM"
+        if self.smem_bytes() > SMEM_BYTES_SM90:
+            return f"needs {self.smem_bytes()} bytes of shared memory, sm90 has {SMEM_BYTES_SM90}"
+        producer, consumer = self.register_split
+        if 128 * producer + 128 * self.num_consumer_wgs * consumer > REGISTERS_PER_SM:
+            return "register split exceeds 64K registers per CTA"
+        # Per consumer thread: dK + dV accumulators (head_dim/2 each), S^T and dP^T (tile_m/2 each). A score_mod
+        # adds the pre-mod scores (tile_m/2) while dS is formed; the compile report (ptxas) has the last word.
+        live = self.head_dim + self.tile_m
+        if live + 40 > consumer:
+            return f"about {live + 40} live registers per consumer thread, only {consumer} after setmaxnreg"
+        return None
+
+    def validate(self) -> BwdConfig:
+        err = self.feasibility_error()
+        if err:
+            raise ValueError(f"infeasible BwdConfig {self}: {err}")
+        return self
+
+    def block_mask_error(self, q_block: int, kv_block: int) -> str | None:
+        if q_block % self.tile_m or kv_block % self.tile_n:
+            return (f"block_mask BLOCK_SIZE={(q_block, kv_block)} is not a multiple of the backward tile "
+                    f"{(self.tile_m, self.tile_n)}")
+        return None
+
+
+def default_bwd_config(head_dim: int) -> BwdConfig:
+    return BwdConfig(head_dim=head_dim, tile_m=64, tile_n=128, num_stages=2)
+
+
+def shares_block_mask_with_forward(head_dim: int, block_size: int = 128) -> bool:
+    """True when one BlockMask at `block_size` drives both the forward and the backward kernel."""
+    fwd = default_config(head_dim, block_sparse=True)
+    bwd = default_bwd_config(head_dim)
+    return (block_size % fwd.tile_m == 0 and block_size % fwd.tile_n == 0
+            and bwd.block_mask_error(block_size, block_size) is None)
