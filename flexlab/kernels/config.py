@@ -14,7 +14,9 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 @dataclass(frozen=True)
 class FwdConfig:
-    """One forward-kernel shape: tiles, pipeline depth, and the scheduling tricks that are switched on.
+    """One forward-kernel shape: tiles, pipeline depth, and whether consumer warpgroups take turns (ping-pong).
+
+    The softmax of block j always overlaps the PV GEMM of block j-1 inside a warpgroup (see fwd_sm90).
 
     `tile_m` rows of Q per CTA are split over `tile_m // 64` consumer warpgroups (one wgmma M=64 slab each); one more
     warpgroup is the TMA producer.
@@ -24,7 +26,6 @@ class FwdConfig:
     tile_m: int = 128
     tile_n: int = 128
     num_stages: int = 2
-    intra_wg_overlap: bool = True  # softmax of block j overlaps the PV GEMM of block j-1
     pingpong: bool = True  # consumer warpgroups take turns on the tensor cores
     dtype_bytes: int = 2
 

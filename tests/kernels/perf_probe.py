@@ -50,12 +50,11 @@ def main(path):
             print(f"{kind:7s} B{B} H{H} S{S} D{D}: {ms:.3f} ms  {row['tflops']:.0f} TFLOP/s", flush=True)
     if os.environ.get("PROBE_SWEEP"):
         from flexlab.kernels.config import FwdConfig
-        sweep = [((4, 16, 4096, 128), FwdConfig(head_dim=128, num_stages=3)),
-                 ((1, 16, 16384, 128), FwdConfig(head_dim=128, num_stages=3)),
-                 ((1, 16, 16384, 128), FwdConfig(head_dim=128, tile_n=176, num_stages=2)),
-                 ((4, 16, 4096, 64), FwdConfig(head_dim=64, tile_m=128, num_stages=2)),
-                 ((4, 16, 4096, 64), FwdConfig(head_dim=64, tile_m=192, num_stages=3)),
-                 ((1, 16, 16384, 64), FwdConfig(head_dim=64, tile_m=192, tile_n=160, num_stages=2))]
+        sweep = [((4, 16, 4096, 128), FwdConfig(head_dim=128, pingpong=False)),
+                 ((1, 16, 16384, 128), FwdConfig(head_dim=128, pingpong=False)),
+                 ((4, 16, 4096, 64), FwdConfig(head_dim=64, tile_m=192, num_stages=3, pingpong=False)),
+                 ((4, 16, 4096, 64), FwdConfig(head_dim=64, tile_m=192, num_stages=4)),
+                 ((1, 16, 16384, 64), FwdConfig(head_dim=64, tile_m=192, tile_n=144, num_stages=2))]
         for (B, H, S, D), cfg in sweep:
             q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
             try:
@@ -68,7 +67,8 @@ def main(path):
             row = dict(kind="dense-sweep", B=B, H=H, S=S, D=D, ms=ms, tflops=tflops(ms, B, H, S, D),
                        config=repr(cfg))
             rows.append(row)
-            print(f"sweep B{B} S{S} D{D} {cfg.tile_m}x{cfg.tile_n} st{cfg.num_stages}: {row['tflops']:.0f} TFLOP/s")
+            print(f"sweep B{B} S{S} D{D} {cfg.tile_m}x{cfg.tile_n} st{cfg.num_stages} pp{int(cfg.pingpong)}: "
+                  f"{row['tflops']:.0f} TFLOP/s")
     # Host overhead: Python time per call on a tiny problem (the launch is asynchronous).
     q, k, v = (torch.randn(1, 1, 128, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     for _ in range(50):

@@ -1,0 +1,440 @@
+"""flexlab's Hopper (sm90a) backward attention kernel with flex hooks.
+
+One CTA owns `tile_n` rows of K and V of one KV head (64 rows per consumer warpgroup) and walks every query tile that
+attends to them, for every query head of its GQA group, so dK and dV are complete sums when the CTA ends: they are
+stored once, without atomics, and are the same bits on every run.
+
+  * warpgroup 0 is the producer: one warp loads K and V once, then Q and dO tiles into a `num_stages` ring (TMA);
+  * consumers compute the transposed scores S^T = K Q^T and dP^T = V dO^T, so P^T and dS^T come out of the
+    accumulators already in the layout the dV += P^T dO and dK += dS^T Q GEMMs want as register operands;
+  * P is recomputed from the forward's LSE (base 2, from `bwd_preprocess`): P = exp2(score_mod(s) * c - LSE2), with
+    mask_mod applied on partial blocks only and the key tail masked; dS = P * (dP - D);
+  * the code generator's `score_mod_bwd` turns dS into the gradient of the raw score, and `score_mod_aux_grad` adds
+    the gradients of captured tensors (learnable biases) with fp32 atomics, both inlined per element;
+  * dS is written to shared memory (double-buffered), both warpgroups compute half of dQ = dS K each, and every
+    warpgroup reduces its half into the fp32 dQ buffer with one TMA reduce-add (`bwd_postprocess` scales it);
+  * epilogue: dK (times the softmax scale) and dV go to shared memory over K and V and out with TMA stores.
+
+Query-direction block sparsity comes from torch's BlockMask (q_num_blocks/q_indices and the full_* pair), walked by
+the forward's `KvSchedule` with the roles of Q and KV swapped: partial blocks (mask_mod) first, then full blocks.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from typing import Callable, Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Int64
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from .block_sparse import KvSchedule
+from .bwd_config import BwdConfig
+from .fwd_sm90 import wgmma
+from .layout import as_operand_a, bshd_view, convert_to_16bit, rows_view, transpose_smem
+from .mask import apply_mask_mod, mask_kv_tail
+from .score_mod import apply_score_mod
+
+LOG2_E = math.log2(math.e)
+
+
+class BwdBarrier(enum.IntEnum):
+    """Named barrier ids of the backward kernel (0 is `__syncthreads`)."""
+
+    DS_READY = 1  # both consumer warpgroups wrote their half of dS^T to shared memory
+    EPILOGUE = 2  # all GEMMs that read sK/sV are done; dK/dV may overwrite them
+    DQ_READY_WG1 = 3  # one warpgroup's dQ partial is in shared memory, ready for the TMA reduce
+    DQ_READY_WG2 = 4
+
+
+class FlexBwdSm90:
+    """Compile-time configuration of one backward kernel: tiles, dtype, and the inlined generated mods."""
+
+    def __init__(self, cfg: BwdConfig, dtype, score_mod: Optional[Callable] = None,
+                 score_mod_bwd: Optional[Callable] = None, aux_grad: Optional[Callable] = None,
+                 mask_mod: Optional[Callable] = None, has_aux_tensors: bool = False):
+        self.cfg = cfg.validate()
+        self.dtype = dtype
+        self.score_mod, self.score_mod_bwd, self.aux_grad, self.mask_mod = score_mod, score_mod_bwd, aux_grad, mask_mod
+        if score_mod is None and (score_mod_bwd is not None or aux_grad is not None):
+            raise ValueError("score_mod_bwd / aux_grad need the forward score_mod they differentiate")
+        self.clamp_indices = has_aux_tensors
+        self.tile_m, self.tile_n, self.head_dim = cfg.tile_m, cfg.tile_n, cfg.head_dim
+        self.num_stages = cfg.num_stages
+        self.num_wg = cfg.num_consumer_wgs
+        self.num_consumer_threads = 128 * self.num_wg
+        self.producer_regs, self.consumer_regs = cfg.register_split
+        self.dq_cols = self.head_dim // self.num_wg  # dQ columns per consumer warpgroup
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE2: cute.Tensor,
+                 mDpsum: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
+                 softmax_scale: Float32, qhead_per_kvhead: Int32, sparse, aux_tensors: tuple, aux_scalars: tuple,
+                 aux_grads: tuple, stream: cuda.CUstream):
+        """mQ/mdO (B, Hq, Sq, D), mK/mV/mdK/mdV (B, Hkv, Skv, D); mLSE2/mDpsum (B, Hq, Sq_pad) and mdQaccum
+        (B, Hq, Sq_pad, D) fp32 with Sq_pad a multiple of tile_m; `sparse` = Q-direction block lists or None."""
+        mQ, mK, mV, mdO, mdK, mdV, mdQaccum = [bshd_view(t) for t in (mQ, mK, mV, mdO, mdK, mdV, mdQaccum)]
+        tile_m, tile_n, hd = self.tile_m, self.tile_n, self.head_dim
+        tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(  # S^T = K Q^T and dP^T = V dO^T
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
+            atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, tile_m))
+        tiled_mma_dkv = sm90_utils.make_trivial_tiled_mma(  # dV += P^T dO, dK += dS^T Q (A from registers)
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+            atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, hd), a_source=warpgroup.OperandSource.RMEM)
+        tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(  # dQ = dS K, head dim split over the warpgroups
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+            atom_layout_mnk=(1, self.num_wg, 1), tiler_mn=(64, self.dq_cols))
+
+        atom_d = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, hd), self.dtype)
+        atom_ds = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, tile_n), self.dtype)
+        sKV_layout = cute.tile_to_shape(atom_d, (tile_n, hd), order=(0, 1))
+        sQ_layout = cute.tile_to_shape(atom_d, (tile_m, hd, self.num_stages), order=(0, 1, 2))
+        sdS_layout = cute.tile_to_shape(atom_ds, (tile_m, tile_n, 2), order=(0, 1, 2))
+        sdQ_half = cute.make_ordered_layout((tile_m, self.dq_cols), order=(1, 0))  # fp32, one warpgroup's half
+
+        load_op, store_op = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
+        one_stage = cute.select(sQ_layout, mode=[0, 1])
+        tma_q, mQ_t = cpasync.make_tiled_tma_atom(load_op, mQ, one_stage, (tile_m, hd))
+        tma_do, mdO_t = cpasync.make_tiled_tma_atom(load_op, mdO, one_stage, (tile_m, hd))
+        tma_k, mK_t = cpasync.make_tiled_tma_atom(load_op, mK, sKV_layout, (tile_n, hd))
+        tma_v, mV_t = cpasync.make_tiled_tma_atom(load_op, mV, sKV_layout, (tile_n, hd))
+        tma_dk, mdK_t = cpasync.make_tiled_tma_atom(store_op, mdK, sKV_layout, (tile_n, hd))
+        tma_dv, mdV_t = cpasync.make_tiled_tma_atom(store_op, mdV, sKV_layout, (tile_n, hd))
+        tma_dq, mdQ_t = cpasync.make_tiled_tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum, sdQ_half,
+                                                    (tile_m, self.dq_cols))
+
+        @cute.struct
+        class Storage:
+            mbar_kv: cute.struct.MemRange[Int64, 2]
+            mbar_qdo: cute.struct.MemRange[Int64, 2 * self.num_stages]
+            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
+            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, tile_m * hd], 1024]
+
+        # P = exp2(x * c - LSE2): x is the raw score (c folds in the softmax scale) or the modded, scaled score.
+        log2_scale = Float32(LOG2_E) if cutlass.const_expr(self.score_mod is not None) else softmax_scale * LOG2_E
+        # Grid (KV heads, batch, KV tiles): the heads of one KV tile run side by side and share Q/dO reads in L2.
+        grid = [cute.size(mK.shape[2]), cute.size(mK.shape[3]), cute.ceil_div(mK.shape[0], tile_n)]
+        self.kernel(mQ_t, mK_t, mV_t, mdO_t, mdK_t, mdV_t, mdQ_t, mLSE2, mDpsum, tma_q, tma_k, tma_v, tma_do,
+                    tma_dk, tma_dv, tma_dq, softmax_scale, log2_scale, qhead_per_kvhead, sparse, aux_tensors,
+                    aux_scalars, aux_grads, sKV_layout, sQ_layout, sdS_layout, sdQ_half, tiled_mma_sdp,
+                    tiled_mma_dkv, tiled_mma_dq, Storage).launch(
+            grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mdK: cute.Tensor,
+               mdV: cute.Tensor, mdQ: cute.Tensor, mLSE2: cute.Tensor, mDpsum: cute.Tensor,
+               tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_do: cute.CopyAtom,
+               tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom, tma_dq: cute.CopyAtom, softmax_scale: Float32,
+               log2_scale: Float32, qhead_per_kvhead: Int32, sparse, aux_tensors, aux_scalars, aux_grads,
+               sKV_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
+               sdQ_half: cute.Layout, tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma,
+               tiled_mma_dq: cute.TiledMma, Storage: cutlass.Constexpr):
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            for atom in (tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv, tma_dq):
+                cpasync.prefetch_descriptor(atom)
+        storage = SmemAllocator().allocate(Storage)
+        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_threads // 32)
+        tma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        kv_bytes = self.tile_n * self.head_dim * self.dtype.width // 8
+        q_bytes = self.tile_m * self.head_dim * self.dtype.width // 8
+        pipe_kv = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=tma_thread,
+            consumer_group=consumer_warps, tx_count=2 * kv_bytes, defer_sync=True)
+        pipe_qdo = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_qdo.data_ptr(), num_stages=self.num_stages, producer_group=tma_thread,
+            consumer_group=consumer_warps, tx_count=2 * q_bytes, defer_sync=True)
+        pipeline.pipeline_init_arrive()
+
+        sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        head_kv, batch, n_block = cute.arch.block_idx()
+        head_kv, batch, n_block = Int32(head_kv), Int32(batch), Int32(n_block)
+        num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
+        pipeline.pipeline_init_wait()
+
+        if warp_idx < 4:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                self.load(mQ, mK, mV, mdO, sQ, sK, sV, sdO, tma_q, tma_k, tma_v, tma_do, pipe_kv, pipe_qdo,
+                          n_block, head_kv, batch, qhead_per_kvhead, num_m_blocks, sparse)
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            tidx = cute.arch.thread_idx()[0] - 128
+            self.consume(mQ, mK, mdK, mdV, mdQ, mLSE2, mDpsum, sQ, sK, sV, sdO, sdS, storage, sKV_layout, sdQ_half,
+                         tma_dk, tma_dv, tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_kv, pipe_qdo,
+                         tidx, warp_idx, n_block, head_kv, batch, qhead_per_kvhead, num_m_blocks, sparse,
+                         softmax_scale, log2_scale, aux_tensors, aux_scalars, aux_grads)
+
+    @cute.jit
+    def load(self, mQ, mK, mV, mdO, sQ, sK, sV, sdO, tma_q, tma_k, tma_v, tma_do, pipe_kv, pipe_qdo,
+             n_block: Int32, head_kv: Int32, batch: Int32, qhead_per_kvhead: Int32, num_m_blocks: Int32, sparse):
+        """Producer warp: K and V once, then (Q, dO) per query tile of every query head in the GQA group."""
+        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
+        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
+        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
+                                           cute.group_modes(gV, 0, 2))
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        pipe_kv.producer_acquire(kv_state)
+        cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+        cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        for g in cutlass.range(qhead_per_kvhead, unroll=1):
+            head = head_kv * qhead_per_kvhead + g
+            gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
+            gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                                               cute.group_modes(gQ, 0, 2))
+            tdOsdO, tdOgdO = cpasync.tma_partition(tma_do, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2),
+                                                   cute.group_modes(gdO, 0, 2))
+            sched = KvSchedule(sparse, batch, head, n_block, num_m_blocks)
+            for i in cutlass.range(sched.total, unroll=1):
+                m_block = sched.block(i)
+                pipe_qdo.producer_acquire(state)
+                bar = pipe_qdo.producer_get_barrier(state)
+                cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
+                cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar)
+                state.advance()
+
+    @cute.jit
+    def consume(self, mQ, mK, mdK, mdV, mdQ, mLSE2, mDpsum, sQ, sK, sV, sdO, sdS, storage, sKV_layout, sdQ_half,
+                tma_dk, tma_dv, tma_dq, tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma,
+                tiled_mma_dq: cute.TiledMma, pipe_kv, pipe_qdo, tidx: Int32, warp_idx: Int32, n_block: Int32,
+                head_kv: Int32, batch: Int32, qhead_per_kvhead: Int32, num_m_blocks: Int32, sparse,
+                softmax_scale: Float32, log2_scale: Float32, aux_tensors, aux_scalars, aux_grads):
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        thr_sdp = tiled_mma_sdp.get_slice(tidx)
+        wg_sdp = tiled_mma_sdp.get_slice(wg * 128)
+        wg_dkv = tiled_mma_dkv.get_slice(wg * 128)
+        wg_dq = tiled_mma_dq.get_slice(wg * 128)
+        tSrK = wg_sdp.make_fragment_A(wg_sdp.partition_A(sK))
+        tSrQ = wg_sdp.make_fragment_B(wg_sdp.partition_B(sQ))
+        tPrV = wg_sdp.make_fragment_A(wg_sdp.partition_A(sV))
+        tPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
+        tVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sdO)))
+        tKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sQ)))
+        tVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((self.tile_n, self.tile_m)))
+        tKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((self.tile_n, self.tile_m)))
+        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+        tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(sK)))
+        acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
+        acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+        s_shape = wg_sdp.partition_shape_C((self.tile_n, self.tile_m))
+        dq_shape = wg_dq.partition_shape_C((self.tile_m, self.head_dim))
+        # Element i of a transposed-score accumulator sits at (q, kv) = coords[i], as the forward's helpers expect.
+        coords = thr_sdp.partition_C(transpose_smem(cute.make_identity_tensor((self.tile_m, self.tile_n))))
+        tdSsdS = thr_sdp.partition_C(transpose_smem(sdS))
+        thr_dq = tiled_mma_dq.get_slice(tidx)
+        sdQ_all = storage.sdQ.get_tensor(cute.make_layout(
+            (self.tile_m, (self.dq_cols, self.num_wg)),
+            stride=(self.dq_cols, (1, self.tile_m * self.dq_cols))))
+        tdQsdQ = thr_dq.partition_C(sdQ_all)
+        sdQ_mine = cute.make_tensor(storage.sdQ.data_ptr() + wg * self.tile_m * self.dq_cols, sdQ_half)
+
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        kv_start = n_block * self.tile_n
+        issuer = (tidx % 128) == 0  # the thread that issues this warpgroup's dQ reduce
+
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        pipe_kv.consumer_wait(kv_state)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        ds_index = Int32(0)
+        for g in cutlass.range(qhead_per_kvhead, unroll=1):
+            head = head_kv * qhead_per_kvhead + g
+            sched = KvSchedule(sparse, batch, head, n_block, num_m_blocks)
+            gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.tile_m, self.dq_cols), (None, wg))
+            tdQs, tdQg = cpasync.tma_partition(tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ_mine, 0, 2),
+                                               cute.group_modes(gdQ, 0, 2))
+            mods = (batch, head, seqlen_q - 1, seqlen_k - 1, softmax_scale, aux_tensors, aux_scalars, aux_grads)
+            for i in cutlass.range(sched.num_partial, unroll=1):
+                self.step(sched.block(i), state, ds_index, True, tSrK, tSrQ, tPrV, tPrdO, tVrdOt, tKrQt, tVrP, tKrdS,
+                          tQrdS, tQrKt, acc_dK, acc_dV, s_shape, dq_shape, coords, tdSsdS, tdQsdQ, tdQs, tdQg,
+                          tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_qdo, mLSE2, mDpsum, kv_start,
+                          seqlen_k, log2_scale, mods, wg, issuer)
+                state.advance()
+                ds_index = 1 - ds_index
+            for i in cutlass.range(sched.num_partial, sched.total, unroll=1):
+                self.step(sched.block(i), state, ds_index, False, tSrK, tSrQ, tPrV, tPrdO, tVrdOt, tKrQt, tVrP,
+                          tKrdS, tQrdS, tQrKt, acc_dK, acc_dV, s_shape, dq_shape, coords, tdSsdS, tdQsdQ, tdQs, tdQg,
+                          tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_qdo, mLSE2, mDpsum, kv_start,
+                          seqlen_k, log2_scale, mods, wg, issuer)
+                state.advance()
+                ds_index = 1 - ds_index
+        if issuer:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last dQ reduce has read shared memory
+        self.epilogue(acc_dK, acc_dV, softmax_scale, mdK, mdV, storage, sKV_layout, tma_dk, tma_dv,
+                      tiled_mma_dkv, tidx, warp_idx, n_block, head_kv, batch)
+
+    @cute.jit
+    def step(self, m_block: Int32, state, ds_index: Int32, use_mask_mod: cutlass.Constexpr[bool], tSrK, tSrQ,
+             tPrV, tPrdO, tVrdOt, tKrQt, tVrP, tKrdS, tQrdS, tQrKt, acc_dK, acc_dV, s_shape, dq_shape, coords,
+             tdSsdS, tdQsdQ, tdQs, tdQg, tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_qdo, mLSE2,
+             mDpsum, kv_start: Int32, seqlen_k: Int32, log2_scale: Float32, mods, wg: Int32, issuer):
+        """One query tile against this CTA's keys: S^T, dP^T, P, dS, then dV, dK, and this tile's dQ partial."""
+        batch, head, q_last, kv_last, softmax_scale, aux_tensors, aux_scalars, aux_grads = mods
+        q_start = m_block * self.tile_m
+        pipe_qdo.consumer_wait(state)
+        acc_S = cute.make_rmem_tensor(s_shape, Float32)
+        acc_dP = cute.make_rmem_tensor(s_shape, Float32)
+        wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, state.index], True, -1)
+        wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, state.index], True, -1)
+        warpgroup.wait_group(1)  # S^T is ready; dP^T is still on the tensor cores
+
+        raw = None
+        if cutlass.const_expr(self.score_mod is not None):
+            raw = cute.make_rmem_tensor(s_shape, Float32)  # the score the mod saw: its derivative needs it
+            raw.store(acc_S.load() * softmax_scale)
+            apply_score_mod(acc_S, coords, self.score_mod, softmax_scale, batch, head, q_start, kv_start, q_last,
+                            kv_last, self.clamp_indices, aux_tensors, aux_scalars)
+        if cutlass.const_expr(use_mask_mod and self.mask_mod is not None):
+            apply_mask_mod(acc_S, coords, self.mask_mod, batch, head, q_start, kv_start, q_last, kv_last,
+                           self.clamp_indices, aux_tensors, aux_scalars)
+        if kv_start + self.tile_n > seqlen_k:
+            mask_kv_tail(acc_S, coords, kv_start, seqlen_k)
+
+        # P^T = exp2(x * c - LSE2[q]); each accumulator column is one query row.
+        s_cols, c_cols = rows_view(acc_S), rows_view(coords)
+        for j in cutlass.range_constexpr(cute.size(s_cols, mode=[1])):
+            lse2 = Float32(mLSE2[batch, head, q_start + c_cols[0, j][0]])
+            for r in cutlass.range_constexpr(cute.size(s_cols, mode=[0])):
+                s_cols[r, j] = cute.math.exp2(s_cols[r, j] * log2_scale - lse2, fastmath=True)
+        warpgroup.wait_group(0)
+        # dS^T = P^T * (dP^T - D[q])
+        dp_cols = rows_view(acc_dP)
+        for j in cutlass.range_constexpr(cute.size(dp_cols, mode=[1])):
+            d = Float32(mDpsum[batch, head, q_start + c_cols[0, j][0]])
+            for r in cutlass.range_constexpr(cute.size(dp_cols, mode=[0])):
+                dp_cols[r, j] = s_cols[r, j] * (dp_cols[r, j] - d)
+        if cutlass.const_expr(self.score_mod is not None):
+            self.mod_backward(acc_dP, raw, coords, batch, head, q_start, kv_start, q_last, kv_last, aux_tensors,
+                              aux_scalars, aux_grads)
+
+        convert_to_16bit(as_operand_a(acc_S), tVrP)
+        convert_to_16bit(as_operand_a(acc_dP), tKrdS)
+        ds_stage = tdSsdS[None, None, None, ds_index]
+        for i in cutlass.range_constexpr(cute.size(acc_dP)):
+            ds_stage[i] = acc_dP[i].to(self.dtype)
+        cute.arch.fence_view_async_shared()  # dS^T in shared memory must be visible to the wgmma async proxy
+
+        wgmma(tiled_mma_dkv, acc_dV, tVrP, tVrdOt[None, None, None, state.index], False, -1)
+        wgmma(tiled_mma_dkv, acc_dK, tKrdS, tKrQt[None, None, None, state.index], False, -1)
+        if issuer:
+            cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous dQ reduce is done with sdQ
+        cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY), number_of_threads=self.num_consumer_threads)
+        acc_dQ = cute.make_rmem_tensor(dq_shape, Float32)
+        wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_index], tQrKt, True, 0)
+        pipe_qdo.consumer_release(state)
+
+        mine = tdQsdQ[None, None, None]
+        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
+            mine[i] = acc_dQ[i]
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_READY_WG1) + wg, number_of_threads=128)
+        if issuer:
+            cute.copy(tma_dq, tdQs, tdQg[None, m_block])
+            cute.arch.cp_async_bulk_commit_group()
+
+    @cute.jit
+    def mod_backward(self, acc_ds, raw, coords, batch: Int32, head: Int32, q_start: Int32, kv_start: Int32,
+                     q_last: Int32, kv_last: Int32, aux_tensors, aux_scalars, aux_grads):
+        """Captured-tensor gradients from dS, then dS -> gradient of the raw score (the generated derivative)."""
+        for i in cutlass.range_constexpr(cute.size(acc_ds)):
+            q_idx = q_start + coords[i][0]
+            kv_idx = kv_start + coords[i][1]
+            if cutlass.const_expr(self.clamp_indices):
+                q_idx = cutlass.min(q_idx, q_last)
+                kv_idx = cutlass.min(kv_idx, kv_last)
+            if cutlass.const_expr(self.aux_grad is not None):
+                self.aux_grad(acc_ds[i], raw[i], batch, head, q_idx, kv_idx, aux_tensors, aux_scalars, aux_grads)
+            if cutlass.const_expr(self.score_mod_bwd is not None):
+                acc_ds[i] = Float32(self.score_mod_bwd(acc_ds[i], raw[i], batch, head, q_idx, kv_idx, aux_tensors,
+                                                       aux_scalars))
+
+    @cute.jit
+    def epilogue(self, acc_dK, acc_dV, softmax_scale: Float32, mdK, mdV, storage, sKV_layout, tma_dk, tma_dv,
+                 tiled_mma_dkv, tidx: Int32, warp_idx: Int32, n_block: Int32, head_kv: Int32, batch: Int32):
+        """dK * scale and dV -> 16 bit -> shared memory over K and V -> TMA stores (rows past Skv are clipped)."""
+        acc_dK.store(acc_dK.load() * softmax_scale)
+        rdK = cute.make_rmem_tensor_like(acc_dK, self.dtype)
+        rdV = cute.make_rmem_tensor_like(acc_dV, self.dtype)
+        convert_to_16bit(acc_dK, rdK)
+        convert_to_16bit(acc_dV, rdV)
+        sdK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sdV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        # Every warpgroup's dQ GEMM reads all of sK: wait for both before overwriting it.
+        cute.arch.barrier(barrier_id=int(BwdBarrier.EPILOGUE), number_of_threads=self.num_consumer_threads)
+        st_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        thr_st = cute.make_tiled_copy_C(st_atom, tiled_mma_dkv).get_slice(tidx)
+        cute.copy(st_atom, thr_st.retile(rdK), thr_st.partition_D(sdK))
+        cute.copy(st_atom, thr_st.retile(rdV), thr_st.partition_D(sdV))
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=int(BwdBarrier.EPILOGUE), number_of_threads=self.num_consumer_threads)
+        if warp_idx == 4:
+            gdK = cute.local_tile(mdK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
+            gdV = cute.local_tile(mdV[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
+            tdKs, tdKg = cpasync.tma_partition(tma_dk, 0, cute.make_layout(1), cute.group_modes(sdK, 0, 2),
+                                               cute.group_modes(gdK, 0, 2))
+            tdVs, tdVg = cpasync.tma_partition(tma_dv, 0, cute.make_layout(1), cute.group_modes(sdV, 0, 2),
+                                               cute.group_modes(gdV, 0, 2))
+            with cute.arch.elect_one():
+                cute.copy(tma_dk, tdKs, tdKg)
+                cute.copy(tma_dv, tdVs, tdVg)
+                cute.arch.cp_async_bulk_commit_group()
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+
+def fake_arguments(cfg: BwdConfig, dtype, block_sparse: bool = False, aux_tensor_specs=(), aux_scalar_kinds=(),
+                   num_aux_grads: int = 0):
+    """Symbolic-shape stand-ins for every runtime argument (compile without a GPU, or once for all shapes)."""
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
+
+    hd = cfg.head_dim
+
+    def bhsd():  # (B, H, S, D) with unit stride on D and 16-byte aligned other strides, as TMA needs
+        shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), hd)
+        stride = (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1)
+        return make_fake_tensor(dtype, shape, stride, assumed_align=16)
+
+    def compact(dt, shape, align=4):
+        return make_fake_compact_tensor(dt, shape, stride_order=tuple(range(len(shape) - 1, -1, -1)),
+                                        assumed_align=align)
+
+    def sym():
+        return cute.sym_int32()
+
+    sparse = None
+    if block_sparse:
+        sparse = (compact(Int32, (sym(), sym(), sym())), compact(Int32, (sym(), sym(), sym(), sym())),
+                  compact(Int32, (sym(), sym(), sym())), compact(Int32, (sym(), sym(), sym(), sym())))
+    rows = compact(Float32, (sym(), sym(), cute.sym_int32(divisibility=cfg.tile_m)))
+    accum = compact(Float32, (sym(), sym(), cute.sym_int32(divisibility=cfg.tile_m), hd), align=16)
+    from ..runtime.compile import _cutlass_dtype
+    aux_tensors = tuple(make_fake_tensor(_cutlass_dtype(name), tuple(sym() for _ in range(ndim)),
+                                         tuple(cute.sym_int64() for _ in range(ndim)))
+                        for name, ndim in aux_tensor_specs)
+    aux_scalars = tuple(Int32(0) if kind == "int" else Float32(0.0) for kind in aux_scalar_kinds)
+    aux_grads = tuple(make_fake_tensor(Float32, (sym(),), (1,)) for _ in range(num_aux_grads))
+    return (bhsd(), bhsd(), bhsd(), bhsd(), rows, rows, accum, bhsd(), bhsd(), Float32(1.0), Int32(1), sparse,
+            aux_tensors, aux_scalars, aux_grads, make_fake_stream(use_tvm_ffi_env_stream=False))
