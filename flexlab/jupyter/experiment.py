@@ -196,6 +196,7 @@ class BackendRow:
     has_nan: Optional[bool] = None
     passed: Optional[bool] = None
     speedup: Optional[float] = None      # this backend's time / the baseline's time (>1: the baseline is faster)
+    first_call_s: Optional[float] = None  # the first call, which includes any compilation
     error: Optional[str] = None
 
     def as_dict(self) -> dict:
@@ -355,7 +356,7 @@ def run_experiment(mods: LoadedMods, spec: RunSpec, progress: Optional[Callable[
                 out = call()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                timings[f"{backend} first call"] = time.perf_counter() - t0
+                row.first_call_s = timings[f"{backend} first call"] = time.perf_counter() - t0
                 row.has_nan = bool(torch.isnan(out).any())
                 row.rel_l2 = rel_l2(out, ref)
                 row.max_abs = max_abs(out, ref)

@@ -26,12 +26,13 @@ def results_table_html(result: RunResult) -> str:
     base = result.baseline
     head = ("<tr><th>backend</th><th>median ms</th><th>TFLOP/s</th>"
             f"<th title='time of this backend / time of {base}'>vs {html.escape(str(base))}</th>"
-            "<th>rel-L2 vs fp64</th><th>max abs</th><th>NaN</th><th>check</th></tr>")
+            "<th>rel-L2 vs fp64</th><th>max abs</th><th>NaN</th><th>check</th>"
+            "<th title='the first call includes compiling'>first call s</th></tr>")
     body = []
     for r in result.rows:
         if r.error is not None:
             body.append(f"<tr class='flexlab-row-na' data-backend='{r.backend}'><td>{r.backend}</td>"
-                        f"<td colspan='7' style='color:#777;text-align:left'>{html.escape(r.error)}</td></tr>")
+                        f"<td colspan='8' style='color:#777;text-align:left'>{html.escape(r.error)}</td></tr>")
             continue
         verdict = ("<span style='color:#1e7d32;font-weight:bold'>pass</span>" if r.passed
                    else "<span style='color:#b00020;font-weight:bold'>FAIL</span>")
@@ -39,7 +40,8 @@ def results_table_html(result: RunResult) -> str:
                                                       else f"{1 / r.speedup:.2f}× faster" if r.speedup else "—")
         body.append(f"<tr data-backend='{r.backend}'><td>{r.backend}</td><td>{_fmt(r.ms, '.3f')}</td>"
                     f"<td>{_fmt(r.tflops, '.3g')}</td><td>{speed}</td><td>{_fmt(r.rel_l2, '.2e')}</td>"
-                    f"<td>{_fmt(r.max_abs, '.2e')}</td><td>{'yes' if r.has_nan else 'no'}</td><td>{verdict}</td></tr>")
+                    f"<td>{_fmt(r.max_abs, '.2e')}</td><td>{'yes' if r.has_nan else 'no'}</td><td>{verdict}</td>"
+                    f"<td>{_fmt(r.first_call_s, '.2f')}</td></tr>")
     rebuilt = result.recompiles.get("flexlab kernels", 0)
     notes = [f"B={s.B} H={s.H} Sq={s.S} Skv={s.Skv} D={s.D} {s.dtype} on {s.device}",
              f"mask density {result.density:.1%}", f"{result.flops / 1e9:.3g} GFLOP",

@@ -66,6 +66,7 @@ def test_run_checks_against_float64_and_counts_density():
     assert [r.backend for r in res.rows] == ["reference", "sdpa"]
     for r in res.rows:
         assert r.error is None and r.passed and not r.has_nan and r.rel_l2 < 1e-5 and r.ms > 0
+        assert r.first_call_s > 0
     assert res.density == pytest.approx(64 * 65 / 2 / 64 ** 2)
     assert res.flops == pytest.approx(4 * 2 * 64 * 64 * 16 * res.density)
     assert res.rows[0].tflops == pytest.approx(res.flops / (res.rows[0].ms * 1e-3) / 1e12)
