@@ -21,7 +21,7 @@ def main() -> int:
         if S is None:
             print(f"skip {name}: no small length")
             continue
-        for D in (64, 128):
+        for D in ((64, 128, 256) if v is None else (128,)):  # dense covers every tile config
             q, k, vv = random_qkv(1, 2, S, S, D, torch.bfloat16, "cuda")
             mods = v.build(1, 2, S, S, device="cuda") if v is not None else None
             bm = (flexlab.create_block_mask(mods.mask_mod, 1, 2, S, S, device="cuda")
