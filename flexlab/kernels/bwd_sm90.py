@@ -234,7 +234,6 @@ class FlexBwdSm90:
         tVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sdO)))
         tKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sQ)))
         tVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((self.tile_n, self.tile_m)))
-        tKrdS = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((self.tile_n, self.tile_m)))
         tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
         tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(sK)))
         acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
@@ -245,7 +244,10 @@ class FlexBwdSm90:
         dq_shape = wg_dq.partition_shape_C((self.tile_m, self.head_dim))
         # Element i of a transposed-score accumulator sits at (q, kv) = coords[i], as the forward's helpers expect.
         coords = thr_sdp.partition_C(transpose_smem(cute.make_identity_tensor((self.tile_m, self.tile_n))))
-        tdSsdS = thr_sdp.partition_C(transpose_smem(sdS))
+        # dS^T leaves the registers through transposing stmatrix, landing as dS (q rows, kv contiguous) in sdS.
+        st_ds = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
+        thr_st_ds = cute.make_tiled_copy_C(st_ds, tiled_mma_sdp).get_slice(tidx)
+        tdSsdS = thr_st_ds.partition_D(transpose_smem(sdS))
         thr_dq = tiled_mma_dq.get_slice(tidx)
         sdQ_all = storage.sdQ.get_tensor(cute.make_layout(
             (self.tile_m, (self.dq_cols, self.num_wg)),
@@ -269,15 +271,15 @@ class FlexBwdSm90:
                                                cute.group_modes(gdQ, 0, 2))
             mods = (batch, head, seqlen_q - 1, seqlen_k - 1, softmax_scale, aux_tensors, aux_scalars, aux_grads)
             for i in cutlass.range(sched.num_partial, unroll=1):
-                self.step(sched.block(i), state, ds_index, True, tSrK, tSrQ, tPrV, tPrdO, tVrdOt, tKrQt, tVrP, tKrdS,
-                          tQrdS, tQrKt, acc_dK, acc_dV, s_shape, dq_shape, coords, tdSsdS, tdQsdQ, tdQs, tdQg,
+                self.step(sched.block(i), state, ds_index, True, tSrK, tSrQ, tPrV, tPrdO, tVrdOt, tKrQt, tVrP, st_ds,
+                          thr_st_ds, tQrdS, tQrKt, acc_dK, acc_dV, s_shape, dq_shape, coords, tdSsdS, tdQsdQ, tdQs, tdQg,
                           tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_qdo, mLSE2, mDpsum, kv_start,
                           seqlen_k, log2_scale, mods, wg, issuer)
                 state.advance()
                 ds_index = 1 - ds_index
             for i in cutlass.range(sched.num_partial, sched.total, unroll=1):
                 self.step(sched.block(i), state, ds_index, False, tSrK, tSrQ, tPrV, tPrdO, tVrdOt, tKrQt, tVrP,
-                          tKrdS, tQrdS, tQrKt, acc_dK, acc_dV, s_shape, dq_shape, coords, tdSsdS, tdQsdQ, tdQs, tdQg,
+                          st_ds, thr_st_ds, tQrdS, tQrKt, acc_dK, acc_dV, s_shape, dq_shape, coords, tdSsdS, tdQsdQ, tdQs, tdQg,
                           tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_qdo, mLSE2, mDpsum, kv_start,
                           seqlen_k, log2_scale, mods, wg, issuer)
                 state.advance()
@@ -289,7 +291,7 @@ class FlexBwdSm90:
 
     @cute.jit
     def step(self, m_block: Int32, state, ds_index: Int32, use_mask_mod: cutlass.Constexpr[bool], tSrK, tSrQ,
-             tPrV, tPrdO, tVrdOt, tKrQt, tVrP, tKrdS, tQrdS, tQrKt, acc_dK, acc_dV, s_shape, dq_shape, coords,
+             tPrV, tPrdO, tVrdOt, tKrQt, tVrP, st_ds, thr_st_ds, tQrdS, tQrKt, acc_dK, acc_dV, s_shape, dq_shape, coords,
              tdSsdS, tdQsdQ, tdQs, tdQg, tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_qdo, mLSE2,
              mDpsum, kv_start: Int32, seqlen_k: Int32, log2_scale: Float32, mods, wg: Int32, issuer):
         """One query tile against this CTA's keys: S^T, dP^T, P, dS, then dV, dK, and this tile's dQ partial."""
@@ -332,14 +334,13 @@ class FlexBwdSm90:
                               aux_scalars, aux_grads)
 
         convert_to_16bit(as_operand_a(acc_S), tVrP)
-        convert_to_16bit(as_operand_a(acc_dP), tKrdS)
-        ds_stage = tdSsdS[None, None, None, ds_index]
-        for i in cutlass.range_constexpr(cute.size(acc_dP)):
-            ds_stage[i] = acc_dP[i].to(self.dtype)
+        rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
+        convert_to_16bit(acc_dP, rdS)
+        cute.copy(st_ds, thr_st_ds.retile(rdS), tdSsdS[None, None, None, ds_index])
         cute.arch.fence_view_async_shared()  # dS^T in shared memory must be visible to the wgmma async proxy
 
         wgmma(tiled_mma_dkv, acc_dV, tVrP, tVrdOt[None, None, None, state.index], False, -1)
-        wgmma(tiled_mma_dkv, acc_dK, tKrdS, tKrQt[None, None, None, state.index], False, -1)
+        wgmma(tiled_mma_dkv, acc_dK, as_operand_a(rdS), tKrQt[None, None, None, state.index], False, -1)
         if issuer:
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous dQ reduce is done with sdQ
         cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY), number_of_threads=self.num_consumer_threads)
