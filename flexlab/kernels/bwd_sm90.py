@@ -270,18 +270,11 @@ class FlexBwdSm90:
             tdQs, tdQg = cpasync.tma_partition(tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ_mine, 0, 2),
                                                cute.group_modes(gdQ, 0, 2))
             mods = (batch, head, seqlen_q - 1, seqlen_k - 1, softmax_scale, aux_tensors, aux_scalars, aux_grads)
-            for i in cutlass.range(sched.num_partial, unroll=1):
-                self.step(sched.block(i), state, ds_index, True, tSrK, tSrQ, tPrV, tPrdO, tVrdOt, tKrQt, tVrP, st_ds,
-                          thr_st_ds, tQrdS, tQrKt, acc_dK, acc_dV, s_shape, dq_shape, coords, tdSsdS, tdQsdQ, tdQs, tdQg,
-                          tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_qdo, mLSE2, mDpsum, kv_start,
-                          seqlen_k, log2_scale, mods, wg, issuer)
-                state.advance()
-                ds_index = 1 - ds_index
-            for i in cutlass.range(sched.num_partial, sched.total, unroll=1):
-                self.step(sched.block(i), state, ds_index, False, tSrK, tSrQ, tPrV, tPrdO, tVrdOt, tKrQt, tVrP,
-                          st_ds, thr_st_ds, tQrdS, tQrKt, acc_dK, acc_dV, s_shape, dq_shape, coords, tdSsdS, tdQsdQ, tdQs, tdQg,
-                          tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_qdo, mLSE2, mDpsum, kv_start,
-                          seqlen_k, log2_scale, mods, wg, issuer)
+            for i in cutlass.range(sched.total, unroll=1):
+                self.step(sched.block(i), i < sched.num_partial, state, ds_index, tSrK, tSrQ, tPrV, tPrdO, tVrdOt,
+                          tKrQt, tVrP, st_ds, thr_st_ds, tQrdS, tQrKt, acc_dK, acc_dV, s_shape, dq_shape, coords,
+                          tdSsdS, tdQsdQ, tdQs, tdQg, tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_qdo,
+                          mLSE2, mDpsum, kv_start, seqlen_k, log2_scale, mods, wg, issuer)
                 state.advance()
                 ds_index = 1 - ds_index
         if issuer:
@@ -290,11 +283,14 @@ class FlexBwdSm90:
                       tiled_mma_dkv, tidx, warp_idx, n_block, head_kv, batch)
 
     @cute.jit
-    def step(self, m_block: Int32, state, ds_index: Int32, use_mask_mod: cutlass.Constexpr[bool], tSrK, tSrQ,
+    def step(self, m_block: Int32, partial, state, ds_index: Int32, tSrK, tSrQ,
              tPrV, tPrdO, tVrdOt, tKrQt, tVrP, st_ds, thr_st_ds, tQrdS, tQrKt, acc_dK, acc_dV, s_shape, dq_shape, coords,
              tdSsdS, tdQsdQ, tdQs, tdQg, tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_qdo, mLSE2,
              mDpsum, kv_start: Int32, seqlen_k: Int32, log2_scale: Float32, mods, wg: Int32, issuer):
-        """One query tile against this CTA's keys: S^T, dP^T, P, dS, then dV, dK, and this tile's dQ partial."""
+        """One query tile against this CTA's keys: S^T, dP^T, P, dS, then dV, dK, and this tile's dQ partial.
+
+        `partial`: the block mask lists this tile as partial, so mask_mod applies (a runtime branch, which keeps
+        one copy of the step in the binary instead of one per block kind)."""
         batch, head, q_last, kv_last, softmax_scale, aux_tensors, aux_scalars, aux_grads = mods
         q_start = m_block * self.tile_m
         pipe_qdo.consumer_wait(state)
@@ -310,9 +306,10 @@ class FlexBwdSm90:
             raw.store(acc_S.load() * softmax_scale)
             apply_score_mod(acc_S, coords, self.score_mod, softmax_scale, batch, head, q_start, kv_start, q_last,
                             kv_last, self.clamp_indices, aux_tensors, aux_scalars)
-        if cutlass.const_expr(use_mask_mod and self.mask_mod is not None):
-            apply_mask_mod(acc_S, coords, self.mask_mod, batch, head, q_start, kv_start, q_last, kv_last,
-                           self.clamp_indices, aux_tensors, aux_scalars)
+        if cutlass.const_expr(self.mask_mod is not None):
+            if partial:
+                apply_mask_mod(acc_S, coords, self.mask_mod, batch, head, q_start, kv_start, q_last, kv_last,
+                               self.clamp_indices, aux_tensors, aux_scalars)
         if kv_start + self.tile_n > seqlen_k:
             mask_kv_tail(acc_S, coords, kv_start, seqlen_k)
 
