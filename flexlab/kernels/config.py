@@ -43,10 +43,14 @@ class FwdConfig:
         return {1: (56, 256), 2: (24, 240), 3: (32, 160)}[self.num_consumer_wgs]
 
     def smem_bytes(self) -> int:
-        q = self.tile_m * self.head_dim * self.dtype_bytes  # also holds O in the epilogue
-        kv = 2 * self.num_stages * self.tile_n * self.head_dim * self.dtype_bytes
+        """Bytes of the kernel's shared-storage struct: mbarriers first, then Q (reused for O), K and V rings, each
+        buffer aligned to 1 KiB (the 128-byte swizzle repeats every 1 KiB)."""
+        def up(n):
+            return -(-n // 1024) * 1024
         barriers = 8 * (2 + 4 * self.num_stages)
-        return q + kv + barriers + 3 * 1024  # 1 KiB alignment of each buffer
+        q = self.tile_m * self.head_dim * self.dtype_bytes
+        kv = self.num_stages * self.tile_n * self.head_dim * self.dtype_bytes
+        return up(barriers) + up(q) + 2 * up(kv)
 
     def feasibility_error(self) -> str | None:
         """Why this configuration cannot run on sm90, or None when it can."""

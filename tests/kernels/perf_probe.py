@@ -50,8 +50,9 @@ def main(path):
             print(f"{kind:7s} B{B} H{H} S{S} D{D}: {ms:.3f} ms  {row['tflops']:.0f} TFLOP/s", flush=True)
     if os.environ.get("PROBE_SWEEP"):
         from flexlab.kernels.config import FwdConfig
-        sweep = [((4, 16, 4096, 128), FwdConfig(head_dim=128, pingpong=False)),
-                 ((1, 16, 16384, 128), FwdConfig(head_dim=128, pingpong=False)),
+        sweep = [((4, 16, 4096, 128), FwdConfig(head_dim=128, num_stages=3)),
+                 ((1, 16, 16384, 128), FwdConfig(head_dim=128, num_stages=3)),
+                 ((8, 16, 1024, 128), FwdConfig(head_dim=128, num_stages=3)),
                  ((4, 16, 4096, 64), FwdConfig(head_dim=64, tile_m=192, num_stages=3, pingpong=False)),
                  ((4, 16, 4096, 64), FwdConfig(head_dim=64, tile_m=192, num_stages=4))]
         for (B, H, S, D), cfg in sweep:
