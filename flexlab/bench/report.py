@@ -162,17 +162,26 @@ def format_document(doc: dict) -> str:
 
 
 def merge_documents(docs: list[dict]) -> dict:
-    """Several runs (e.g. forward and backward rows measured in separate commands) as one document.
-
-    Rows keep their first-seen order; a row measured again in a later document replaces the earlier record.
+    """Several runs as one document: rows keep their first-seen order, and a row measured in several runs gets
+    the union of its backends' results (a later run wins for a backend it measured again). Lets peers and flexlab
+    measured in separate commands share one table; every result keeps its own `measured_utc` where recorded.
     """
     if not docs:
         raise ValueError("merge_documents needs at least one document")
     rows: dict[str, dict] = {}
     for doc in docs:
+        stamp = doc.get("environment", {}).get("date_utc")
         for rec in doc["rows"]:
-            if rec.get("results") or rec["name"] not in rows:
-                rows[rec["name"]] = rec
+            results = {name: ({"measured_utc": stamp, **r} if stamp else r)
+                       for name, r in (rec.get("results") or {}).items() if r.get("status") != "skipped"}
+            old = rows.get(rec["name"])
+            if old is None or old.get("density") is None:
+                rows[rec["name"]] = {**rec, "results": {**(old or {}).get("results", {}), **results}}
+            else:
+                old["results"] = {**old["results"], **results}
+    for rec in rows.values():
+        if rec.get("density") is not None:
+            summarize_row(rec)
     merged = document(docs[0]["environment"], docs[0].get("settings", {}), list(rows.values()))
     merged["runs"] = [d["environment"] for d in docs]
     return merged

@@ -41,12 +41,16 @@ def test_text_and_markdown_tables(tmp_path):
     assert json.loads(path.read_text()) == doc
 
 
-def test_merge_prefers_measured_rows_and_keeps_order():
+def test_merge_unions_backends_of_a_row_and_keeps_order():
     skipped = {"name": "b", "density": None, "flops": None, "skipped": "time budget spent", "results": {}}
-    first = {"environment": {"run": 1}, "rows": [_row("a", sdpa=_ok(1.0)), skipped]}
-    second = {"environment": {"run": 2}, "rows": [_row("b", sdpa=_ok(2.0)), _row("c", sdpa=_ok(3.0))]}
+    first = {"environment": {"date_utc": "t1"}, "rows": [_row("a", sdpa=_ok(1.0)), skipped]}
+    second = {"environment": {"date_utc": "t2"},
+              "rows": [_row("b", sdpa=_ok(2.0)), _row("c", sdpa=_ok(3.0)), _row("a", flexlab=_ok(0.5))]}
     merged = merge_documents([first, second])
     assert [r["name"] for r in merged["rows"]] == ["a", "b", "c"]
+    a = merged["rows"][0]
+    assert set(a["results"]) == {"sdpa", "flexlab"} and a["flexlab_speedup_vs_best_peer"] == 2.0
+    assert a["results"]["sdpa"]["measured_utc"] == "t1" and a["results"]["flexlab"]["measured_utc"] == "t2"
     assert merged["rows"][1]["results"]["sdpa"]["wall_ms"] == 2.0
-    assert [e["run"] for e in merged["runs"]] == [1, 2]
+    assert [e["date_utc"] for e in merged["runs"]] == ["t1", "t2"]
     assert "not run: time budget spent" in format_document({**merged, "rows": [skipped]})
