@@ -85,11 +85,11 @@ def _fake(dtype: torch.dtype, rank: int, divisibility: int = 1):
                                     assumed_align=size)
 
 
-def compile_probe(gen: GeneratedMods):
+def compile_probe(gen: GeneratedMods, options: str = COMPILE_OPTIONS):
     """Compile the probe kernel for `gen` (sm_90a, fake tensors), cached on gen.hash: scalars are runtime args."""
     global compile_count
     aux_meta = tuple((_kernel_dtype(t), max(t.dim(), 1)) for t in gen.aux_tensors)
-    key = (gen.hash, aux_meta)
+    key = (gen.hash, aux_meta, options)
     if key not in _compiled:
         tile_fake = lambda: make_fake_compact_tensor(  # noqa: E731
             Float32, (cute.sym_int32(), cute.sym_int32(divisibility=TILE_M), cute.sym_int32(divisibility=TILE_N)),
@@ -102,7 +102,7 @@ def compile_probe(gen: GeneratedMods):
             warnings.filterwarnings("ignore", message=".*cannot be converted to a JitArgument.*")
             _compiled[key] = cute.compile(_probe_host, tile_fake(), tile_fake(), tile_fake(), tile_fake(),
                                           tile_fake(), Int32(1), aux, gen.kernel_aux_scalars(), grads, gen.module(),
-                                          options=COMPILE_OPTIONS)
+                                          options=options)
         compile_count += 1
     return _compiled[key]
 
