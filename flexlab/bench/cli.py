@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -78,9 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.rep_ms is not None:
         settings.rep_ms = args.rep_ms
     resume = None
-    if args.resume:
+    if args.resume and os.path.exists(args.resume):
         with open(args.resume) as f:
             resume = json.load(f)
+    elif args.resume:  # the first of a series of resumed runs: nothing saved yet
+        print(f"--resume: no results at {args.resume} yet; measuring every selected row")
     doc = run(rows, settings, device, args.json_path, resume=resume)
     print()
     print(format_summary(doc["rows"]))

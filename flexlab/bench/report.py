@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .rows import MATMUL_CEILING_TFLOPS
+from .rows import MATMUL_CEILING_TFLOPS, ROW_SETS
 
 SCHEMA_VERSION = 1
 # Backends that are not competitors: flexlab itself, and the dense reference used in tests.
@@ -162,9 +162,10 @@ def format_document(doc: dict) -> str:
 
 
 def merge_documents(docs: list[dict]) -> dict:
-    """Several runs as one document: rows keep their first-seen order, and a row measured in several runs gets
-    the union of its backends' results (a later run wins for a backend it measured again). Lets peers and flexlab
-    measured in separate commands share one table; every result keeps its own `measured_utc` where recorded.
+    """Several runs as one document, so peers and flexlab measured in separate commands share one table.
+
+    Default rows come in the issue's order, others after them. A row measured in several runs gets the union of its
+    backends' results (a later run wins for a backend it measured again); each result keeps its `measured_utc`.
     """
     if not docs:
         raise ValueError("merge_documents needs at least one document")
@@ -182,7 +183,10 @@ def merge_documents(docs: list[dict]) -> dict:
     for rec in rows.values():
         if rec.get("density") is not None:
             summarize_row(rec)
-    merged = document(docs[0]["environment"], docs[0].get("settings", {}), list(rows.values()))
+    # The issue's row order (forward, then forward+backward) where a row is one of the default rows.
+    order = {row.name: i for i, row in enumerate(ROW_SETS["all"])}
+    ordered = sorted(rows.values(), key=lambda rec: order.get(rec["name"], len(order)))
+    merged = document(docs[0]["environment"], docs[0].get("settings", {}), ordered)
     merged["runs"] = [d["environment"] for d in docs]
     return merged
 

@@ -66,7 +66,9 @@ def test_gpu_smoke_every_peer_on_one_small_row(tmp_path):
 def test_resume_keeps_finished_rows_and_measures_the_rest(tmp_path, capsys):
     first, second = tmp_path / "first.json", tmp_path / "second.json"
     common = ["--rows", "validate", "--only", " causal B4", "--quick", "--device", "cpu", "--backends", "sdpa"]
-    assert main(common + ["--json", str(first), "--time-budget", "1e9"]) == 0
+    # The first run of a resumed series has nothing to resume from yet.
+    assert main(common + ["--json", str(first), "--resume", str(first), "--time-budget", "1e9"]) == 0
+    assert "no results at" in capsys.readouterr().out
     saved = json.loads(first.read_text())
     saved["rows"][1] = {**saved["rows"][1], "density": None, "skipped": "time budget spent", "results": {}}
     first.write_text(json.dumps(saved))
