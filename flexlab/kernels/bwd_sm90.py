@@ -30,7 +30,9 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
@@ -42,6 +44,13 @@ from .mask import apply_mask_mod, mask_kv_tail
 from .score_mod import apply_score_mod
 
 LOG2_E = math.log2(math.e)
+
+
+@dsl_user_op
+def opaque_i32(x: Int32, *, loc=None, ip=None) -> Int32:
+    """x, hidden from the optimizer: index math derived from it is recomputed rather than kept live from earlier."""
+    return Int32(llvm.inline_asm(T.i32(), [Int32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r",
+                                 has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 class BwdBarrier(enum.IntEnum):
@@ -357,7 +366,11 @@ class FlexBwdSm90:
     @cute.jit
     def mod_backward(self, acc_ds, raw, coords, batch: Int32, head: Int32, q_start: Int32, kv_start: Int32,
                      q_last: Int32, kv_last: Int32, aux_tensors, aux_scalars, aux_grads):
-        """Captured-tensor gradients from dS, then dS -> gradient of the raw score (the generated derivative)."""
+        """Captured-tensor gradients from dS, then dS -> gradient of the raw score (the generated derivative).
+
+        The indices go through `opaque_i32` so the compiler recomputes the mods' address math here instead of keeping
+        every element's address live since the forward mod ran (at D=64 that alone spilled 88 bytes)."""
+        batch, head, q_start, kv_start = (opaque_i32(x) for x in (batch, head, q_start, kv_start))
         for i in cutlass.range_constexpr(cute.size(acc_ds)):
             q_idx = q_start + coords[i][0]
             kv_idx = kv_start + coords[i][1]
@@ -404,8 +417,10 @@ class FlexBwdSm90:
 
 
 def fake_arguments(cfg: BwdConfig, dtype, block_sparse: bool = False, aux_tensor_specs=(), aux_scalar_kinds=(),
-                   num_aux_grads: int = 0):
-    """Symbolic-shape stand-ins for every runtime argument (compile without a GPU, or once for all shapes)."""
+                   aux_grad_ranks=()):
+    """Symbolic-shape stand-ins for every runtime argument (compile without a GPU, or once for all shapes).
+
+    `aux_grad_ranks`: rank of each fp32 gradient buffer (the rank of the captured tensor it belongs to)."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
     hd = cfg.head_dim
@@ -433,6 +448,8 @@ def fake_arguments(cfg: BwdConfig, dtype, block_sparse: bool = False, aux_tensor
                                          tuple(cute.sym_int64() for _ in range(ndim)))
                         for name, ndim in aux_tensor_specs)
     aux_scalars = tuple(Int32(0) if kind == "int" else Float32(0.0) for kind in aux_scalar_kinds)
-    aux_grads = tuple(make_fake_tensor(Float32, (sym(),), (1,)) for _ in range(num_aux_grads))
+    aux_grads = tuple(make_fake_compact_tensor(Float32, tuple(sym() for _ in range(rank)),
+                                               stride_order=tuple(range(rank - 1, -1, -1)), assumed_align=4)
+                      for rank in aux_grad_ranks)
     return (bhsd(), bhsd(), bhsd(), bhsd(), rows, rows, accum, bhsd(), bhsd(), Float32(1.0), Int32(1), sparse,
             aux_tensors, aux_scalars, aux_grads, make_fake_stream(use_tvm_ffi_env_stream=False))
