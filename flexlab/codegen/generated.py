@@ -35,8 +35,10 @@ class GeneratedMods:
     builds them. Captured tensors reach it converted by `kernel_aux_tensors()` (see `_KERNEL_DTYPE`).
     """
 
-    def __init__(self, traced, deriv: Derivative, source: str, key: str, names: tuple[str, str], fns: tuple):
+    def __init__(self, traced, deriv: Derivative, source: str, key: str, names: tuple[str, str], fns: tuple,
+                 fastmath: bool):
         self._fns = fns
+        self.fastmath = fastmath
         self._traced = traced
         self._graph = traced.graph
         self._deriv = deriv
@@ -49,7 +51,7 @@ class GeneratedMods:
 
         Cheap (milliseconds); the hash, and so the compiled kernel, stays the same unless the structure changed.
         """
-        return generate(*self._fns)
+        return generate(*self._fns, fastmath=self.fastmath)
 
     # -- what the kernels read ------------------------------------------------------------------------------------
     @property
@@ -223,8 +225,11 @@ def _header(g, key: str, names: tuple[str, str], baked: dict) -> str:
     return "\n".join(lines)
 
 
-def generate(score_mod=None, mask_mod=None) -> GeneratedMods:
+def generate(score_mod=None, mask_mod=None, *, fastmath: bool = False) -> GeneratedMods:
     """Trace `score_mod(score, b, h, q_idx, kv_idx)` and/or `mask_mod(b, h, q_idx, kv_idx)` into CuTeDSL.
+
+    `fastmath=True` lets transcendentals (exp, tanh, log, ...) use approximate hardware instructions: faster inside
+    attention, a few ulp less accurate. It is part of the hash.
 
     Raises `flexlab.errors.UnsupportedModError` naming the op and the user's file:line when something cannot be
     lowered.
@@ -236,8 +241,9 @@ def generate(score_mod=None, mask_mod=None) -> GeneratedMods:
         else Derivative(None, ())
     roots = {"score_mod": traced.score_root, "mask_mod": traced.mask_root, "score_mod_bwd": deriv.d_score,
              "aux_grad": [(t.load, t.value) for t in deriv.aux_terms]}
-    canonical = f"flexlab.codegen v{GENERATOR_VERSION}\n" + g.canonical_text(roots)
+    canonical = f"flexlab.codegen v{GENERATOR_VERSION} fastmath={fastmath}\n" + g.canonical_text(roots)
     key = hashlib.sha256(canonical.encode()).hexdigest()
     names = (_mod_name(score_mod), _mod_name(mask_mod))
-    source = emit_module(g, traced.score_root, traced.mask_root, deriv, _header(g, key, names, traced.baked))
-    return GeneratedMods(traced, deriv, source, key, names, (score_mod, mask_mod))
+    source = emit_module(g, traced.score_root, traced.mask_root, deriv, _header(g, key, names, traced.baked),
+                         fastmath=fastmath)
+    return GeneratedMods(traced, deriv, source, key, names, (score_mod, mask_mod), fastmath)

@@ -14,6 +14,8 @@ from .derivative import Derivative
 from .ir import BOOL, FLOAT, INT, Graph, float_literal
 
 _BUILTINS = set(dir(builtins))
+#: Transcendentals that take CuTeDSL's `fastmath` flag (approximate hardware instructions when enabled).
+_FASTMATH = ("exp", "exp2", "log", "log2", "log1p", "expm1", "sqrt", "rsqrt", "tanh", "sin", "cos", "erf")
 _DSL_TYPE = {FLOAT: "Float32", INT: "Int32", BOOL: "Boolean"}
 _INFIX = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "eq": "==", "ne": "!=", "lt": "<", "le": "<=",
           "gt": ">", "ge": ">=", "logical_and": "&", "logical_or": "|", "logical_xor": "^", "bitwise_and": "&",
@@ -51,8 +53,10 @@ def literal(value, kind: str) -> str:
 class FunctionEmitter:
     """Emits the body of one generated function; each node becomes at most one named temporary."""
 
-    def __init__(self, graph: Graph, params: tuple[str, ...], forward_nodes: set[int], aux_grad_slot: dict):
+    def __init__(self, graph: Graph, params: tuple[str, ...], forward_nodes: set[int], aux_grad_slot: dict,
+                 fastmath: bool = False):
         self.g = graph
+        self.fm = ", fastmath=True" if fastmath else ""
         self.params = params
         self.forward_nodes = forward_nodes
         self.aux_grad_slot = aux_grad_slot
@@ -141,13 +145,14 @@ class FunctionEmitter:
         if op == "fmod":  # C remainder: the sign follows the dividend
             return f"{a[0]} % {a[1]}" if kind == INT else f"cute.math.rem({a[0]}, {a[1]})"
         if op == "pow":
-            return _pow_expr(a, args[1], kind)
+            return _pow_expr(a, args[1], kind, self.fm)
         if op in ("minimum", "maximum"):
             return f"cutlass.{op[:3]}({a[0]}, {a[1]})"
         if op in _MATH:
-            return f"cute.math.{_MATH[op]}({a[0]})"
+            fm = self.fm if op in _FASTMATH else ""
+            return f"cute.math.{_MATH[op]}({a[0]}{fm})"
         if op == "sigmoid":
-            return f"Float32(1.0) / (Float32(1.0) + cute.math.exp(-{a[0]}))"
+            return f"Float32(1.0) / (Float32(1.0) + cute.math.exp(-{a[0]}{self.fm}))"
         if op == "neg":
             return f"-{a[0]}"
         if op == "abs":
@@ -222,7 +227,7 @@ class FunctionEmitter:
         return self._prologue + self.lines
 
 
-def _pow_expr(a: list[str], exponent, kind: str) -> str:
+def _pow_expr(a: list[str], exponent, kind: str, fm: str) -> str:
     if exponent.op == "const":
         e = exponent.attr[0]
         if e == 2:
@@ -230,8 +235,8 @@ def _pow_expr(a: list[str], exponent, kind: str) -> str:
         if kind == INT:
             return " * ".join([a[0]] * int(e)) if e > 0 else "Int32(1)"
         if e == 0.5:
-            return f"cute.math.sqrt({a[0]})"
-    return f"cute.math.pow({a[0]}, {a[1]})"
+            return f"cute.math.sqrt({a[0]}{fm})"
+    return f"cute.math.pow({a[0]}, {a[1]}{fm})"
 
 
 def _base_name(op: str, kind: str) -> str:
@@ -246,9 +251,9 @@ def _identifier(name: str) -> str:
 
 
 def emit_function(graph: Graph, fn: str, root: int | None, default: str, forward_nodes: set[int],
-                  aux_terms=(), aux_grad_slot: dict | None = None) -> str:
+                  aux_terms=(), aux_grad_slot: dict | None = None, fastmath: bool = False) -> str:
     params = tuple(p.strip() for p in SIGNATURES[fn].split(","))
-    em = FunctionEmitter(graph, params, forward_nodes, aux_grad_slot or {})
+    em = FunctionEmitter(graph, params, forward_nodes, aux_grad_slot or {}, fastmath)
     ret = None
     if fn == "score_mod_aux_grad":
         for term in aux_terms:
@@ -266,7 +271,7 @@ def emit_function(graph: Graph, fn: str, root: int | None, default: str, forward
 
 
 def emit_module(graph: Graph, score_root: int | None, mask_root: int | None, deriv: Derivative | None,
-                header: str) -> str:
+                header: str, fastmath: bool = False) -> str:
     forward_nodes = set(graph.needed([score_root, mask_root]))
     slots = {}
     for k, t in enumerate(graph.aux_tensors):
@@ -281,18 +286,18 @@ def emit_module(graph: Graph, score_root: int | None, mask_root: int | None, der
         "from cutlass import Boolean, Float32, Int32",
         "",
         "",
-        emit_function(graph, "score_mod", score_root, "score", forward_nodes),
+        emit_function(graph, "score_mod", score_root, "score", forward_nodes, fastmath=fastmath),
         "",
         "",
-        emit_function(graph, "mask_mod", mask_root, "Boolean(True)", forward_nodes),
+        emit_function(graph, "mask_mod", mask_root, "Boolean(True)", forward_nodes, fastmath=fastmath),
         "",
         "",
         emit_function(graph, "score_mod_bwd", deriv.d_score if deriv else None,
-                      "grad" if score_root is None else "Float32(0.0)", forward_nodes),
+                      "grad" if score_root is None else "Float32(0.0)", forward_nodes, fastmath=fastmath),
         "",
         "",
         emit_function(graph, "score_mod_aux_grad", None, "", forward_nodes,
-                      deriv.aux_terms if deriv else (), slots),
+                      deriv.aux_terms if deriv else (), slots, fastmath=fastmath),
         "",
     ]
     return "\n".join(parts)

@@ -159,3 +159,10 @@ def test_more_unsupported_forms(body, op):
 def test_wrong_arity_is_a_type_error():
     with pytest.raises(TypeError, match="score_mod must take 5"):
         generate(score_mod=lambda s, b, h, q: s)
+
+
+def test_fastmath_is_opt_in_and_part_of_the_hash():
+    fn = SCORE_MODS["tanh_sigmoid"]
+    exact, fast = generate(fn), generate(fn, fastmath=True)
+    assert "fastmath" not in exact.source and "cute.math.tanh(score, fastmath=True)" in fast.source
+    assert exact.hash != fast.hash and fast.refresh().hash == fast.hash
