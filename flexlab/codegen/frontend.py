@@ -135,12 +135,12 @@ class Proxy:
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         tracer = _find_tracer(args, kwargs)
-        return tracer.dispatch(getattr(func, "__name__", str(func)), args, kwargs or {})
+        return tracer.dispatch(getattr(func, "__name__", str(func)), args, kwargs or {}, _is_method(func))
 
     def __getattr__(self, name: str):
         if name.startswith("__"):
             raise AttributeError(name)
-        return lambda *args, **kwargs: self._tracer.dispatch(name, (self,) + args, kwargs)
+        return lambda *args, **kwargs: self._tracer.dispatch(name, (self,) + args, kwargs, method=True)
 
     def __repr__(self) -> str:
         return f"<traced {self._tracer.g.kind(self.node)}-value %{self.node}>"
@@ -231,7 +231,7 @@ class _TraceMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if _has_proxy(args, kwargs):
-            return self.tracer.dispatch(getattr(func, "__name__", str(func)), args, kwargs)
+            return self.tracer.dispatch(getattr(func, "__name__", str(func)), args, kwargs, _is_method(func))
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor):
             self.tracer.created[id(out)] = out
@@ -321,14 +321,15 @@ class Tracer:
         return typ(const_fold(self.g, node))
 
     # -- ops ---------------------------------------------------------------------------------------------------
-    def dispatch(self, name: str, args, kwargs):
+    def dispatch(self, name: str, args, kwargs, method: bool = False):
+        """Lower one op; `method` says it was called as a Tensor method (self first: x.where(cond, y))."""
         loc = _user_loc()
         try:
-            return self._dispatch(name, tuple(args), dict(kwargs), loc)
+            return self._dispatch(name, tuple(args), dict(kwargs), loc, method)
         except KindError as e:
             raise _unsupported(name.strip("_"), loc, str(e)) from None
 
-    def _dispatch(self, name, args, kwargs, loc):
+    def _dispatch(self, name, args, kwargs, loc, method):
         op, flip = _canonical_name(name)
         n = lambda x: self.node_of(x, loc)  # noqa: E731
         if op in _BINARY and op not in ("min", "max") or op in ("min", "max") and len(args) == 2 and not kwargs:
@@ -365,10 +366,13 @@ class Tracer:
         if op in ("clamp", "clip", "clamp_min", "clamp_max"):
             return self.wrap(self._clamp(op, args, kwargs, loc))
         if op == "where":
-            if len(args) + len(kwargs) < 3 and not isinstance(args[0], Proxy):
+            if method:  # x.where(condition, other)
+                x, cond, other = (list(args) + [kwargs.get("condition"), kwargs.get("other")])[:3]
+                return self.wrap(self.b.where(n(cond), n(x), n(other), loc))
+            merged = list(args) + [kwargs[k] for k in ("condition", "input", "other") if k in kwargs]
+            if len(merged) != 3:
                 raise _unsupported("where(cond) with one argument", loc, "use torch.where(cond, a, b)")
-            c, a, b = _where_args(name, args, kwargs)
-            return self.wrap(self.b.where(n(c), n(a), n(b), loc))
+            return self.wrap(self.b.where(n(merged[0]), n(merged[1]), n(merged[2]), loc))
         if op == "masked_fill":
             x, mask, value = (list(args) + [kwargs.get("mask"), kwargs.get("value")])[:3]
             return self.wrap(self.b.where(n(mask), n(value), n(x), loc))
@@ -476,13 +480,9 @@ def _canonical_name(name: str) -> tuple[str, bool]:
     return name, False
 
 
-def _where_args(name, args, kwargs):
-    if name == "where" and len(args) >= 1 and isinstance(args[0], Proxy) and len(args) == 3:
-        return args
-    if len(args) == 2 and not kwargs:  # Tensor.where(self, cond, other)
-        return args[1], args[0], kwargs.get("other", None)
-    merged = list(args) + [kwargs.get(k) for k in ("condition", "input", "other") if k in kwargs]
-    return merged[0], merged[1], merged[2]
+def _is_method(func) -> bool:
+    name = getattr(func, "__name__", None)
+    return name is not None and getattr(torch.Tensor, name, None) is func
 
 
 def _reject_kwargs(op, kwargs, loc, allowed=()):

@@ -42,6 +42,7 @@ SCORE_MODS = {
     "gather_bool_int": lambda s, b, h, q, kv: s + FLAGS[q].float() + IDS[kv],
     "square_reciprocal_relu": lambda s, b, h, q, kv: torch.square(s) + torch.reciprocal(s.abs() + 1) + s.relu(),
     "masked_fill": lambda s, b, h, q, kv: s.masked_fill(q < kv, -1e9),
+    "where_method": lambda s, b, h, q, kv: s.where(q >= kv, -s) + TABLE[h, kv % 11].where(q > kv, s),
     "tensor_methods": lambda s, b, h, q, kv: s.exp().log1p().mul(2).add(q, alpha=2).sub(1).div(3),
     "python_if_on_constant": lambda s, b, h, q, kv: s * 2 if TABLE.shape[0] == 3 else s,
     "constant_output": lambda s, b, h, q, kv: 1.25,
@@ -166,3 +167,19 @@ def test_fastmath_is_opt_in_and_part_of_the_hash():
     exact, fast = generate(fn), generate(fn, fastmath=True)
     assert "fastmath" not in exact.source and "cute.math.tanh(score, fastmath=True)" in fast.source
     assert exact.hash != fast.hash and fast.refresh().hash == fast.hash
+
+
+def test_indices_past_the_captured_tensor_are_clamped_like_the_kernel():
+    ids = torch.arange(10)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return score + ids[q_idx] - ids[kv_idx - 20]
+
+    g = generate(score_mod=mod)
+    _, b, h, q, kv = _inputs(torch.float32)  # q up to 39, kv - 20 down to -20: both outside ids
+    score = torch.zeros(2, 3, 40, 50)
+    got = g.evaluate_score_mod(score, b, h, q, kv)
+    wrapped = torch.where(kv - 20 < 0, kv - 20 + 10, kv - 20).clamp(0, 9)  # torch's negative wrap, then clamp
+    expected = ids[q.clamp(0, 9)] - ids[wrapped]
+    assert torch.equal(got.expand_as(score), expected.float().expand_as(score))
+    assert "ids_size0 - Int32(1)" in g.source
