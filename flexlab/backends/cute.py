@@ -95,24 +95,37 @@ def _effective_mask_mod(block_mask):
     return None if block_mask is None or _is_noop_mask(block_mask.mask_mod) else block_mask.mask_mod
 
 
+_DEVICE_REASON: dict = {}
+
+
+def _device_reason(device) -> str:
+    """"" when this CUDA device has a flexlab kernel and the DSL is installed, else why not (cached per device)."""
+    reason = _DEVICE_REASON.get(device)
+    if reason is None:
+        from ..runtime.arch import forward_arch, supported_names
+        cap = torch.cuda.get_device_capability(device)
+        if forward_arch(cap) is None:
+            reason = f"no kernel for compute capability {cap[0]}.{cap[1]}; kernels exist for {supported_names()}"
+        elif importlib.util.find_spec("cutlass") is None:
+            reason = "nvidia-cutlass-dsl is not installed (pip install nvidia-cutlass-dsl==4.8.1)"
+        else:
+            reason = ""
+        _DEVICE_REASON[device] = reason
+    return reason
+
+
 def is_supported(q, k, v, score_mod, block_mask, scale, enable_gqa) -> tuple[bool, str]:
     if q.device.type != "cuda":
         return False, f"needs CUDA tensors, got {q.device}"
-    from ..runtime.arch import forward_arch, supported_names
-    cap = torch.cuda.get_device_capability(q.device)
-    if forward_arch(cap) is None:
-        return False, f"no kernel for compute capability {cap[0]}.{cap[1]}; kernels exist for {supported_names()}"
+    reason = _device_reason(q.device)
+    if reason:
+        return False, reason
     if q.dtype not in _DTYPES:
         return False, f"dtype {q.dtype} unsupported; use bfloat16 or float16"
     if q.shape[-1] not in _HEAD_DIMS or v.shape[-1] != q.shape[-1]:
         return False, f"head dim {q.shape[-1]} (value {v.shape[-1]}) unsupported; supported: {_HEAD_DIMS}, equal for q/k/v"
-    if importlib.util.find_spec("cutlass") is None:
-        return False, "nvidia-cutlass-dsl is not installed (pip install nvidia-cutlass-dsl==4.8.1)"
     if block_mask is not None:
-        from ..kernels.config import default_config
-        from ..runtime.sparsity import incompatibility
-        cfg = default_config(q.shape[-1], block_sparse=True)
-        reason = incompatibility(block_mask, cfg.tile_m, cfg.tile_n)
+        reason = _mask_reason(block_mask.BLOCK_SIZE, q.shape[-1])
         if reason:
             return False, reason
     mask_mod = _effective_mask_mod(block_mask)
@@ -124,6 +137,24 @@ def is_supported(q, k, v, score_mod, block_mask, scale, enable_gqa) -> tuple[boo
         except ImportError as e:
             return False, f"the code generator cannot run: {e}"
     return True, ""
+
+
+_MASK_REASON: dict = {}
+
+
+def _mask_reason(block_size, head_dim: int) -> str:
+    key = (tuple(int(x) for x in block_size), head_dim)
+    reason = _MASK_REASON.get(key)
+    if reason is None:
+        from ..kernels.config import default_config
+        cfg = default_config(head_dim, block_sparse=True)
+        q_bs, kv_bs = key[0]
+        reason = ""
+        if q_bs % cfg.tile_m or kv_bs % cfg.tile_n:
+            reason = (f"block_mask BLOCK_SIZE={(q_bs, kv_bs)} is not a multiple of the kernel tile "
+                      f"{(cfg.tile_m, cfg.tile_n)}; build it with BLOCK_SIZE={cfg.tile_m} or a multiple")
+        _MASK_REASON[key] = reason
+    return reason
 
 
 def flex_attention_forward(q, k, v, score_mod, block_mask, scale, enable_gqa):

@@ -22,3 +22,9 @@ def test_cpu_tensors_are_not_supported_with_a_reason():
     q = torch.randn(1, 2, 16, 64, dtype=torch.bfloat16)
     ok, reason = backend.is_supported(q, q, q, None, None, None, False)
     assert not ok and "CUDA" in reason
+
+
+def test_mask_block_size_rule_names_the_fix():
+    assert "BLOCK_SIZE=128" in backend._mask_reason((64, 64), 128)
+    assert backend._mask_reason((256, 128), 128) == ""
+    assert backend._mask_reason((128, 128), 256) == ""  # D=256 uses 128x64 tiles; 128 is a multiple of both
