@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -50,11 +51,13 @@ class CompileKey:
     tile_order: bool
     cutlass_version: str = field(default_factory=lambda: cutlass_version())
     tvm_ffi: bool = field(default_factory=lambda: tvm_ffi_available())
+    kernel_source: str = field(default_factory=lambda: kernel_fingerprint())  # a kernel edit invalidates disk entries
 
     def digest(self) -> str:
         return hashlib.sha256(repr(self).encode()).hexdigest()[:32]
 
 
+@lru_cache(maxsize=None)
 def cutlass_version() -> str:
     try:
         return importlib.metadata.version("nvidia-cutlass-dsl")
@@ -62,6 +65,22 @@ def cutlass_version() -> str:
         return "unknown"
 
 
+_KERNEL_FILES = ("fwd_sm90.py", "softmax.py", "mask.py", "score_mod.py", "block_sparse.py", "layout.py",
+                 "tile_scheduler.py", "carry.py", "config.py", "named_barrier.py")
+
+
+@lru_cache(maxsize=None)
+def kernel_fingerprint() -> str:
+    """sha256 of the forward kernel's source files and of this module (which builds the fake arguments)."""
+    h = hashlib.sha256()
+    kernels = Path(__file__).resolve().parent.parent / "kernels"
+    for path in [kernels / name for name in _KERNEL_FILES] + [Path(__file__).resolve()]:
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+@lru_cache(maxsize=None)
 def tvm_ffi_available() -> bool:
     return importlib.util.find_spec("tvm_ffi") is not None
 

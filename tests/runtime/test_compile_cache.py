@@ -29,7 +29,8 @@ def test_key_digest_changes_with_every_baked_in_field():
     assert k.digest() == _key().digest()
     for change in (dict(source_hash="g"), dict(dtype="float16"), dict(config=default_config(64)),
                    dict(arch="sm_100a"), dict(cutlass_version="4.9"), dict(block_sparse=True),
-                   dict(config=dataclasses.replace(default_config(128), num_stages=3))):
+                   dict(config=dataclasses.replace(default_config(128), num_stages=3)),
+                   dict(kernel_source="edited")):
         assert _key(**change).digest() != k.digest(), change
 
 
