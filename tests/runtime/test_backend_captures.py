@@ -1,0 +1,45 @@
+"""The cute backend re-reads captured values when they change, without a new kernel (CPU: lowering only)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass")
+
+from flexlab.backends import cute as backend  # noqa: E402
+
+
+def _softcap():
+    cap = 20.0
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    def set_cap(value):
+        nonlocal cap
+        cap = value
+    return score_mod, set_cap
+
+
+def test_new_scalar_value_same_kernel_mods():
+    score_mod, set_cap = _softcap()
+    first = backend._lowered(score_mod, None)
+    assert first.aux_scalars == (20.0,)
+    assert backend._lowered(score_mod, None) is first  # nothing changed: no re-trace
+    set_cap(5.0)
+    second = backend._lowered(score_mod, None)
+    assert second.aux_scalars == (5.0,)
+    assert second.mods == first.mods and hash(second.mods) == hash(first.mods)  # same compiled kernel
+
+
+def test_in_place_edit_of_captured_tensor_is_seen():
+    bias = torch.zeros(8)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+
+    first = backend._lowered(score_mod, None)
+    assert torch.equal(first.aux_tensors[0], torch.zeros(8))
+    bias += 1.5
+    second = backend._lowered(score_mod, None)
+    assert second is not first and torch.equal(second.aux_tensors[0], torch.full((8,), 1.5))
