@@ -123,9 +123,15 @@ class Proxy:
     ndim = property(lambda self: 0)
     device = property(lambda self: torch.device("cpu"))
     requires_grad = property(lambda self: False)
-    is_floating_point = lambda self: self._tracer.g.kind(self.node) == FLOAT  # noqa: E731
-    dim = lambda self: 0  # noqa: E731
-    numel = lambda self: 1  # noqa: E731
+
+    def is_floating_point(self) -> bool:
+        return self._tracer.g.kind(self.node) == FLOAT
+
+    def dim(self) -> int:
+        return 0
+
+    def numel(self) -> int:
+        return 1
 
     def size(self, dim=None):
         if dim is not None:
@@ -433,7 +439,7 @@ class Tracer:
         node = self.node_of(value, loc)
         if dtype is not None:
             return self.b.cast(node, _kind_of_dtype(dtype, op, loc), loc, _width(dtype))
-        if isinstance(like, Proxy) and op.endswith("_like"):
+        if isinstance(like, Proxy):  # new_ones/ones_like & co. keep the dtype of the tensor they start from
             return self.b.cast(node, self.g.kind(like.node), loc)
         return node
 
