@@ -1,7 +1,13 @@
 """Static configuration of the Hopper forward kernel, and the one check that a configuration fits the chip.
 
 Everything in `FwdConfig` is baked into the compiled kernel, so it is part of the compile-cache key. The tile shapes
-per head dim (`default_config`) were measured on an H200 (see `benchmarks/results/`), not copied from elsewhere.
+per head dim (`default_config`) were measured on an H200 (bf16, H=16, dense; TFLOP/s; benchmarks/results/fwd_probe_*):
+
+    D=128  128x128, 2 stages     B4·S4k 593-609   B1·S16k 633-645   B8·S1k 492-500   (default)
+           128x128, 3 stages     B4·S4k 676 (one run)  B1·S16k 642   B8·S1k 473       (not adopted: re-measure)
+           128x176, 2 stages     B1·S16k 635;  ping-pong off: B4·S4k 597, B1·S16k 645
+    D=64   192x128, 3 stages     B4·S4k 463-496   B1·S16k 485-512                      (default, dense)
+           192x128, 2 / 4 stg    B4·S4k 465 / 471-496;  128x128: 430;  ping-pong off: 444-449
 """
 from __future__ import annotations
 
