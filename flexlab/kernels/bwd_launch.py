@@ -33,6 +33,7 @@ class BwdKey:
     dtype: str
     config: BwdConfig
     block_sparse: bool
+    deterministic: bool = False
     arch: str = "sm_90a"
 
 
@@ -80,9 +81,10 @@ def compile_main(key: BwdKey, module=None, options: str = ""):
     score_mod = module.score_mod if key.has_score_mod else None
     kernel = FlexBwdSm90(key.config, dt, score_mod, module.score_mod_bwd if key.has_score_mod else None,
                          module.score_mod_aux_grad if key.has_aux_grad else None,
-                         module.mask_mod if key.has_mask_mod else None, has_aux_tensors=bool(key.aux_tensor_specs))
+                         module.mask_mod if key.has_mask_mod else None, has_aux_tensors=bool(key.aux_tensor_specs),
+                         deterministic=key.deterministic)
     args = fake_arguments(key.config, dt, key.block_sparse, key.aux_tensor_specs, key.aux_scalar_kinds,
-                          key.aux_grad_ranks)
+                          key.aux_grad_ranks, key.deterministic)
     return cute.compile(kernel, *args, options=f"--gpu-arch {key.arch}{options}")
 
 
@@ -105,6 +107,21 @@ def q_direction_tensors(block_mask: list, block_size: list, cfg: BwdConfig, seql
     else:
         fnum, fidx = torch.zeros_like(num), torch.zeros_like(idx[..., :1])
     return num, idx, fnum, fidx
+
+
+def visit_ranks(sparse: tuple, num_m_tiles: int) -> torch.Tensor:
+    """(Bm, Hm, KV tiles, Q tiles) int32: for each KV tile visiting a Q tile, how many lower KV tiles visit it too.
+
+    Deterministic mode reduces dQ partials in this order; KV tiles that skip a Q tile are not waited for."""
+    num, idx, fnum, fidx = sparse
+    Bm, Hm, n_kv = num.shape
+    visits = torch.zeros((Bm, Hm, n_kv, num_m_tiles + 1), dtype=torch.int32, device=num.device)
+    for count, lists in ((num, idx), (fnum, fidx)):
+        listed = torch.arange(lists.shape[-1], device=num.device) < count.unsqueeze(-1)
+        target = torch.where(listed, lists.long(), torch.full_like(lists, num_m_tiles, dtype=torch.long))
+        visits.scatter_(-1, target, 1)
+    visits = visits[..., :num_m_tiles]
+    return (visits.cumsum(dim=2) - visits).to(torch.int32).contiguous()
 
 
 def _to_cute(t: torch.Tensor, align: int = 4):
@@ -133,9 +150,6 @@ def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, bloc
         raise BackendUnavailableError(
             "deterministic=True with captured tensors that require grad is not implemented in the cute backward yet "
             "(their gradients are reduced with atomics); use backend='reference' or turn determinism off")
-    if deterministic:
-        raise BackendUnavailableError("deterministic=True is not implemented in the cute backward yet (dQ is reduced "
-                                      "with TMA reduce-add in arrival order)")
     q, k, v, dout = (tma_ready(t) for t in (q, k, v, dout))
     out = out.contiguous()
     sparse = None
@@ -157,12 +171,17 @@ def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, bloc
                  bool(g is not None and g.has_mask_mod and sparse is not None), has_aux_grad,
                  tuple((str(t.dtype).removeprefix("torch."), t.dim()) for t in kernel_aux),
                  tuple("float" if kind == "float" else "int" for kind in (g.aux_scalar_kinds if g else ())),
-                 tuple(t.dim() for t in grads), dtype, cfg, sparse is not None, arch)
+                 tuple(t.dim() for t in grads), dtype, cfg, sparse is not None, bool(deterministic), arch)
     pre = _compiled(("pre", dtype, D, dlse is not None, arch), lambda: compile_preprocess(dtype, D, dlse is not None,
                                                                                           arch))
     main = _compiled(key, lambda: compile_main(key, g.module() if g is not None else None))
     post = _compiled(("post", dtype, D, arch), lambda: compile_postprocess(dtype, D, arch))
 
+    sem = rank = None
+    if deterministic:
+        sem = torch.zeros((B, Hq, sq_pad // cfg.tile_m, cfg.num_consumer_wgs), dtype=torch.int32, device=dev)
+        if sparse is not None:
+            rank = visit_ranks(sparse, sq_pad // cfg.tile_m)
     stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
     pre(_to_cute(out, 16), _to_cute(dout, 16), _to_cute(lse.contiguous()),
         _to_cute(dlse.contiguous()) if dlse is not None else None, _to_cute(dpsum), _to_cute(lse2), stream)
@@ -170,6 +189,7 @@ def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, bloc
     main(_to_cute(q, 16), _to_cute(k, 16), _to_cute(v, 16), _to_cute(dout, 16), _to_cute(lse2), _to_cute(dpsum),
          _to_cute(dq_accum, 16), _to_cute(dk, 16), _to_cute(dv, 16), scale, Hq // Hkv,
          tuple(_to_cute(t) for t in sparse) if sparse else None, tuple(_to_cute(t) for t in kernel_aux), scalars,
-         tuple(_to_cute(t) for t in grads), stream)
+         tuple(_to_cute(t) for t in grads), _to_cute(sem) if sem is not None else None,
+         _to_cute(rank) if rank is not None else None, stream)
     post(_to_cute(dq_accum, 16), _to_cute(dq, 16), scale, stream)
     return dq, dk, dv, grads

@@ -67,13 +67,16 @@ class FlexBwdSm90:
 
     def __init__(self, cfg: BwdConfig, dtype, score_mod: Optional[Callable] = None,
                  score_mod_bwd: Optional[Callable] = None, aux_grad: Optional[Callable] = None,
-                 mask_mod: Optional[Callable] = None, has_aux_tensors: bool = False):
+                 mask_mod: Optional[Callable] = None, has_aux_tensors: bool = False, deterministic: bool = False):
         self.cfg = cfg.validate()
         self.dtype = dtype
         self.score_mod, self.score_mod_bwd, self.aux_grad, self.mask_mod = score_mod, score_mod_bwd, aux_grad, mask_mod
         if score_mod is None and (score_mod_bwd is not None or aux_grad is not None):
             raise ValueError("score_mod_bwd / aux_grad need the forward score_mod they differentiate")
         self.clamp_indices = has_aux_tensors
+        # Deterministic: the dQ partials of one query tile are reduced in increasing KV-tile order (a semaphore per
+        # tile and warpgroup half), so the fp32 sums, and so dQ, are the same bits on every run.
+        self.deterministic = deterministic
         self.tile_m, self.tile_n, self.head_dim = cfg.tile_m, cfg.tile_n, cfg.head_dim
         self.num_stages = cfg.num_stages
         self.num_wg = cfg.num_consumer_wgs
@@ -86,9 +89,11 @@ class FlexBwdSm90:
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE2: cute.Tensor,
                  mDpsum: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                  softmax_scale: Float32, qhead_per_kvhead: Int32, sparse, aux_tensors: tuple, aux_scalars: tuple,
-                 aux_grads: tuple, stream: cuda.CUstream):
+                 aux_grads: tuple, mdQsem, mRank, stream: cuda.CUstream):
         """mQ/mdO (B, Hq, Sq, D), mK/mV/mdK/mdV (B, Hkv, Skv, D); mLSE2/mDpsum (B, Hq, Sq_pad) and mdQaccum
-        (B, Hq, Sq_pad, D) fp32 with Sq_pad a multiple of tile_m; `sparse` = Q-direction block lists or None."""
+        (B, Hq, Sq_pad, D) fp32 with Sq_pad a multiple of tile_m; `sparse` = Q-direction block lists or None.
+        Deterministic mode: mdQsem (B, Hq, Sq_pad / tile_m, consumer warpgroups) int32 zeros, and with a block mask
+        mRank (Bm, Hm, KV tiles, Q tiles) int32: how many lower KV tiles visit that Q tile."""
         mQ, mK, mV, mdO, mdK, mdV, mdQaccum = [bshd_view(t) for t in (mQ, mK, mV, mdO, mdK, mdV, mdQaccum)]
         tile_m, tile_n, hd = self.tile_m, self.tile_n, self.head_dim
         tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(  # S^T = K Q^T and dP^T = V dO^T
@@ -138,8 +143,8 @@ class FlexBwdSm90:
         grid = [cute.size(mK.shape[2]), cute.size(mK.shape[3]), cute.ceil_div(mK.shape[0], tile_n)]
         self.kernel(mQ_t, mK_t, mV_t, mdO_t, mdK_t, mdV_t, mdQ_t, mLSE2, mDpsum, tma_q, tma_k, tma_v, tma_do,
                     tma_dk, tma_dv, tma_dq, softmax_scale, log2_scale, qhead_per_kvhead, sparse, aux_tensors,
-                    aux_scalars, aux_grads, sKV_layout, sQ_layout, sdS_layout, sdQ_half, tiled_mma_sdp,
-                    tiled_mma_dkv, tiled_mma_dq, Storage).launch(
+                    aux_scalars, aux_grads, mdQsem, mRank, sKV_layout, sQ_layout, sdS_layout, sdQ_half,
+                    tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, Storage).launch(
             grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------ device side
@@ -148,7 +153,8 @@ class FlexBwdSm90:
                mdV: cute.Tensor, mdQ: cute.Tensor, mLSE2: cute.Tensor, mDpsum: cute.Tensor,
                tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_do: cute.CopyAtom,
                tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom, tma_dq: cute.CopyAtom, softmax_scale: Float32,
-               log2_scale: Float32, qhead_per_kvhead: Int32, sparse, aux_tensors, aux_scalars, aux_grads,
+               log2_scale: Float32, qhead_per_kvhead: Int32, sparse, aux_tensors, aux_scalars, aux_grads, mdQsem,
+               mRank,
                sKV_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
                sdQ_half: cute.Layout, tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma,
                tiled_mma_dq: cute.TiledMma, Storage: cutlass.Constexpr):
@@ -190,7 +196,7 @@ class FlexBwdSm90:
             self.consume(mQ, mK, mdK, mdV, mdQ, mLSE2, mDpsum, sQ, sK, sV, sdO, sdS, storage, sKV_layout, sdQ_half,
                          tma_dk, tma_dv, tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_kv, pipe_qdo,
                          tidx, warp_idx, n_block, head_kv, batch, qhead_per_kvhead, num_m_blocks, sparse,
-                         softmax_scale, log2_scale, aux_tensors, aux_scalars, aux_grads)
+                         softmax_scale, log2_scale, aux_tensors, aux_scalars, aux_grads, mdQsem, mRank)
 
     @cute.jit
     def load(self, mQ, mK, mV, mdO, sQ, sK, sV, sdO, tma_q, tma_k, tma_v, tma_do, pipe_kv, pipe_qdo,
@@ -230,7 +236,7 @@ class FlexBwdSm90:
                 tma_dk, tma_dv, tma_dq, tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma,
                 tiled_mma_dq: cute.TiledMma, pipe_kv, pipe_qdo, tidx: Int32, warp_idx: Int32, n_block: Int32,
                 head_kv: Int32, batch: Int32, qhead_per_kvhead: Int32, num_m_blocks: Int32, sparse,
-                softmax_scale: Float32, log2_scale: Float32, aux_tensors, aux_scalars, aux_grads):
+                softmax_scale: Float32, log2_scale: Float32, aux_tensors, aux_scalars, aux_grads, mdQsem, mRank):
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
         wg_sdp = tiled_mma_sdp.get_slice(wg * 128)
@@ -278,7 +284,8 @@ class FlexBwdSm90:
             gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.tile_m, self.dq_cols), (None, wg))
             tdQs, tdQg = cpasync.tma_partition(tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ_mine, 0, 2),
                                                cute.group_modes(gdQ, 0, 2))
-            mods = (batch, head, seqlen_q - 1, seqlen_k - 1, softmax_scale, aux_tensors, aux_scalars, aux_grads)
+            order = (mdQsem, mRank, sched.b, sched.h, n_block)
+            mods = (batch, head, seqlen_q - 1, seqlen_k - 1, softmax_scale, aux_tensors, aux_scalars, aux_grads, order)
             for i in cutlass.range(sched.total, unroll=1):
                 self.step(sched.block(i), i < sched.num_partial, state, ds_index, tSrK, tSrQ, tPrV, tPrdO, tVrdOt,
                           tKrQt, tVrP, st_ds, thr_st_ds, tQrdS, tQrKt, acc_dK, acc_dV, s_shape, dq_shape, coords,
@@ -292,15 +299,14 @@ class FlexBwdSm90:
                       tiled_mma_dkv, tidx, warp_idx, n_block, head_kv, batch)
 
     @cute.jit
-    def step(self, m_block: Int32, partial, state, ds_index: Int32, tSrK, tSrQ,
-             tPrV, tPrdO, tVrdOt, tKrQt, tVrP, st_ds, thr_st_ds, tQrdS, tQrKt, acc_dK, acc_dV, s_shape, dq_shape, coords,
-             tdSsdS, tdQsdQ, tdQs, tdQg, tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_qdo, mLSE2,
-             mDpsum, kv_start: Int32, seqlen_k: Int32, log2_scale: Float32, mods, wg: Int32, issuer):
+    def step(self, m_block: Int32, partial, state, ds_index: Int32, tSrK, tSrQ, tPrV, tPrdO, tVrdOt, tKrQt, tVrP,
+             st_ds, thr_st_ds, tQrdS, tQrKt, acc_dK, acc_dV, s_shape, dq_shape, coords, tdSsdS, tdQsdQ, tdQs, tdQg,
+             tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_qdo, mLSE2, mDpsum, kv_start: Int32, seqlen_k: Int32, log2_scale: Float32, mods, wg: Int32, issuer):
         """One query tile against this CTA's keys: S^T, dP^T, P, dS, then dV, dK, and this tile's dQ partial.
 
         `partial`: the block mask lists this tile as partial, so mask_mod applies (a runtime branch, which keeps
         one copy of the step in the binary instead of one per block kind)."""
-        batch, head, q_last, kv_last, softmax_scale, aux_tensors, aux_scalars, aux_grads = mods
+        batch, head, q_last, kv_last, softmax_scale, aux_tensors, aux_scalars, aux_grads, order = mods
         q_start = m_block * self.tile_m
         pipe_qdo.consumer_wait(state)
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
@@ -360,8 +366,29 @@ class FlexBwdSm90:
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_READY_WG1) + wg, number_of_threads=128)
         if issuer:
+            if cutlass.const_expr(self.deterministic):
+                self.wait_dq_turn(order, batch, head, m_block, wg)
             cute.copy(tma_dq, tdQs, tdQg[None, m_block])
             cute.arch.cp_async_bulk_commit_group()
+            if cutlass.const_expr(self.deterministic):
+                cute.arch.cp_async_bulk_wait_group(0, read=False)  # the reduce has landed in global memory
+                mdQsem = order[0]
+                sem = mdQsem.iterator + cute.crd2idx((batch, head, m_block, wg), mdQsem.layout)
+                cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
+
+    @cute.jit
+    def wait_dq_turn(self, order, batch: Int32, head: Int32, m_block: Int32, wg: Int32):
+        """Spin until every lower KV tile that visits this Q tile has reduced its dQ half (acquire).
+
+        CTAs are launched KV-tile-slowest, so the ones waited for were launched earlier and can always finish."""
+        mdQsem, mRank, rank_b, rank_h, n_block = order
+        turn = n_block
+        if cutlass.const_expr(mRank is not None):
+            turn = Int32(mRank[rank_b, rank_h, n_block, m_block])
+        sem = mdQsem.iterator + cute.crd2idx((batch, head, m_block, wg), mdQsem.layout)
+        seen = Int32(-1)
+        while seen != turn:
+            seen = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
 
     @cute.jit
     def mod_backward(self, acc_ds, raw, coords, batch: Int32, head: Int32, q_start: Int32, kv_start: Int32,
@@ -417,7 +444,7 @@ class FlexBwdSm90:
 
 
 def fake_arguments(cfg: BwdConfig, dtype, block_sparse: bool = False, aux_tensor_specs=(), aux_scalar_kinds=(),
-                   aux_grad_ranks=()):
+                   aux_grad_ranks=(), deterministic: bool = False):
     """Symbolic-shape stand-ins for every runtime argument (compile without a GPU, or once for all shapes).
 
     `aux_grad_ranks`: rank of each fp32 gradient buffer (the rank of the captured tensor it belongs to)."""
@@ -451,5 +478,7 @@ def fake_arguments(cfg: BwdConfig, dtype, block_sparse: bool = False, aux_tensor
     aux_grads = tuple(make_fake_compact_tensor(Float32, tuple(sym() for _ in range(rank)),
                                                stride_order=tuple(range(rank - 1, -1, -1)), assumed_align=4)
                       for rank in aux_grad_ranks)
+    sem = compact(Int32, (sym(), sym(), sym(), cfg.num_consumer_wgs)) if deterministic else None
+    rank = compact(Int32, (sym(), sym(), sym(), sym())) if deterministic and block_sparse else None
     return (bhsd(), bhsd(), bhsd(), bhsd(), rows, rows, accum, bhsd(), bhsd(), Float32(1.0), Int32(1), sparse,
-            aux_tensors, aux_scalars, aux_grads, make_fake_stream(use_tvm_ffi_env_stream=False))
+            aux_tensors, aux_scalars, aux_grads, sem, rank, make_fake_stream(use_tvm_ffi_env_stream=False))

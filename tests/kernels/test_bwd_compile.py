@@ -64,11 +64,12 @@ def test_postprocess_compiles(D):
     assert "st.global.v4" in ptx and "cvt.rn.f16x2.f32" in ptx
 
 
-def _main_key(D, block_sparse=False, g=None):
+def _main_key(D, block_sparse=False, g=None, deterministic=False):
     from flexlab.kernels.bwd_config import default_bwd_config
     from flexlab.kernels.bwd_launch import BwdKey
     if g is None:
-        return BwdKey("", False, False, False, (), (), (), "bfloat16", default_bwd_config(D), block_sparse)
+        return BwdKey("", False, False, False, (), (), (), "bfloat16", default_bwd_config(D), block_sparse,
+                      deterministic)
     aux = g.kernel_aux_tensors()
     return BwdKey(g.hash, g.has_score_mod, g.has_mask_mod, any(g.aux_requires_grad),
                   tuple((str(t.dtype).removeprefix("torch."), t.dim()) for t in aux),
@@ -94,6 +95,31 @@ def test_main_kernel_compiles_without_spills(D, block_sparse):
     from flexlab.kernels.bwd_launch import compile_main
     ptx, report = _assemble(compile_main(_main_key(D, block_sparse), None, options=" --keep-ptx"))
     _check_main(ptx, report, D)
+
+
+@pytest.mark.parametrize("D,block_sparse", [(128, False), (64, True)])
+def test_deterministic_kernel_orders_dq_reductions(D, block_sparse):
+    """Deterministic mode: each dQ reduce waits (acquire) for its turn and signals the next KV tile (release)."""
+    from flexlab.kernels.bwd_launch import compile_main
+    ptx, report = _assemble(compile_main(_main_key(D, block_sparse, deterministic=True), None, options=" --keep-ptx"))
+    _check_main(ptx, report, D)
+    assert "ld.acquire.gpu.global.b32" in ptx
+    assert "red.release.gpu.global.add.s32" in ptx
+    assert re.search(r"cp\.async\.bulk\.wait_group\s+0", ptx), "the reduce must have landed before the release"
+
+
+def test_visit_ranks_count_lower_kv_tiles():
+    from flexlab.kernels.bwd_launch import visit_ranks
+    # One (b, h), three KV tiles, four Q tiles. KV tile 0 visits Q {0, 1}; tile 1 visits {3} partially and {1}
+    # fully; tile 2 visits {3, 0} partially and {1} fully. Nobody visits Q tile 2.
+    num = torch.tensor([[[2, 1, 2]]], dtype=torch.int32)
+    idx = torch.tensor([[[[0, 1], [3, 0], [3, 0]]]], dtype=torch.int32)
+    fnum = torch.tensor([[[0, 1, 1]]], dtype=torch.int32)
+    fidx = torch.tensor([[[[0, 0], [1, 0], [1, 0]]]], dtype=torch.int32)
+    rank = visit_ranks((num, idx, fnum, fidx), 4)
+    assert rank[0, 0, 0, 0] == 0 and rank[0, 0, 2, 0] == 1  # tile 1 skips Q tile 0: tile 2 is second there
+    assert rank[0, 0, :, 1].tolist() == [0, 1, 2]
+    assert rank[0, 0, 1, 3] == 0 and rank[0, 0, 2, 3] == 1
 
 
 def _learnable_bias_mods():
