@@ -6,6 +6,9 @@ functions it reaches: closure cells, default arguments, referenced module global
 captured int/float/bool replaced by a scalar proxy, which the tracer turns into a runtime kernel argument. A scalar
 whose value steers Python control flow (`if causal:`) is "baked": the next trace sees the plain number again.
 Captured tensors are left in place; the tracer meets them when they are indexed and records their names here.
+
+Every captured slot also gets a reader (a function returning what the slot holds now), so `GeneratedMods.refresh`
+can pick up new scalar values without tracing again, and can tell when something structural changed instead.
 """
 from __future__ import annotations
 
@@ -43,6 +46,8 @@ class CaptureRewriter:
         self.baked = baked
         self.tensor_names: dict[int, str] = {}
         self.baked_values: dict[str, object] = {}
+        self.readers: dict[tuple, Callable] = {}  # scalar slot -> reads its current value
+        self.watch: list[tuple[Callable, object]] = []  # (reader, value at trace time) of every other capture
         self._memo: dict[int, object] = {}
 
     def rewrite(self, fn, depth: int = 0):
@@ -52,9 +57,11 @@ class CaptureRewriter:
             return self._memo[id(fn)]
         if isinstance(fn, functools.partial):
             new = functools.partial(self.rewrite(fn.func, depth + 1),
-                                    *[self._value(a, (id(fn), "partial", str(i)), f"arg{i}", depth)
+                                    *[self._value(a, (id(fn), "partial", str(i)), f"arg{i}", depth,
+                                                  lambda p=fn, i=i: p.args[i])
                                       for i, a in enumerate(fn.args)],
-                                    **{k: self._value(v, (id(fn), "partial", k), k, depth)
+                                    **{k: self._value(v, (id(fn), "partial", k), k, depth,
+                                                      lambda p=fn, k=k: p.keywords[k])
                                        for k, v in fn.keywords.items()})
             self._memo[id(fn)] = new
             return new
@@ -75,7 +82,8 @@ class CaptureRewriter:
                 except ValueError:  # an empty cell (variable assigned later); leave it alone
                     cells.append(cell)
                     continue
-                cells.append(types.CellType(self._value(value, (id(cell), "cell", name), name, depth)))
+                cells.append(types.CellType(self._value(value, (id(cell), "cell", name), name, depth,
+                                                        lambda c=cell: c.cell_contents)))
             closure = tuple(cells)
         fn_globals = fn.__globals__
         replaced = {}
@@ -83,7 +91,8 @@ class CaptureRewriter:
             for name in sorted(_global_names(code)):
                 if name in fn_globals:
                     value = fn_globals[name]
-                    new_value = self._value(value, (id(fn_globals), "global", name), name, depth)
+                    new_value = self._value(value, (id(fn_globals), "global", name), name, depth,
+                                            lambda d=fn_globals, n=name: d[n])
                     if new_value is not value:
                         replaced[name] = new_value
         if replaced:
@@ -91,10 +100,12 @@ class CaptureRewriter:
         defaults = fn.__defaults__
         if defaults:
             names = code.co_varnames[code.co_argcount - len(defaults):code.co_argcount]
-            defaults = tuple(self._value(v, (id(fn), "default", n), n, depth) for n, v in zip(names, defaults))
+            defaults = tuple(self._value(v, (id(fn), "default", n), n, depth, lambda f=fn, i=i: f.__defaults__[i])
+                             for i, (n, v) in enumerate(zip(names, defaults)))
         kwdefaults = fn.__kwdefaults__
         if kwdefaults:
-            kwdefaults = {k: self._value(v, (id(fn), "default", k), k, depth) for k, v in kwdefaults.items()}
+            kwdefaults = {k: self._value(v, (id(fn), "default", k), k, depth, lambda f=fn, k=k: f.__kwdefaults__[k])
+                          for k, v in kwdefaults.items()}
         if closure is fn.__closure__ and not replaced and defaults is fn.__defaults__ \
                 and kwdefaults is fn.__kwdefaults__:
             return fn
@@ -106,12 +117,15 @@ class CaptureRewriter:
         self._memo[id(fn)] = new
         return new
 
-    def _value(self, value, slot, name: str, depth: int):
+    def _value(self, value, slot, name: str, depth: int, read: Callable):
         if type(value) in _SCALAR_TYPES:
             if slot in self.baked:
                 self.baked_values[name] = value
+                self.watch.append((read, value))
                 return value
+            self.readers[slot] = read
             return self.make_scalar(slot, name, value)
+        self.watch.append((read, value))
         if _is_tensor(value):
             self.tensor_names.setdefault(id(value), name)
             return value
@@ -133,3 +147,14 @@ class CaptureRewriter:
 def _is_tensor(value) -> bool:
     import torch
     return isinstance(value, torch.Tensor)
+
+
+def same_capture(current, expected) -> bool:
+    """Whether a slot still holds what was traced: numbers by type and value, containers item by item, the rest
+    (tensors, functions, objects) by identity."""
+    if type(expected) in _SCALAR_TYPES:
+        return type(current) is type(expected) and current == expected
+    if type(expected) in (tuple, list):
+        return type(current) is type(expected) and len(current) == len(expected) and \
+            all(same_capture(a, b) for a, b in zip(current, expected))
+    return current is expected

@@ -250,6 +250,8 @@ class TraceResult:
     score_root: int | None
     mask_root: int | None
     baked: dict  # scalar name -> value that was baked into the code
+    scalar_readers: list  # per aux scalar: returns the value its slot holds now
+    watch: list  # (reader, traced value) for every other capture: a change there means tracing again
 
 
 class Tracer:
@@ -542,7 +544,9 @@ def _trace_once(tracer: Tracer, score_mod, mask_mod) -> TraceResult:
             out = tracer.rewriter.rewrite(mask_mod)(*args[1:])
             mask_root = tracer.b.cast(_output(tracer, out, "mask_mod"), BOOL)
     g.scope = "score_mod"  # the derivative extends the score_mod
-    return TraceResult(g, score_root, mask_root, dict(tracer.rewriter.baked_values))
+    rw = tracer.rewriter
+    readers = [rw.readers[slot] for slot in tracer._scalar_slots]
+    return TraceResult(g, score_root, mask_root, dict(rw.baked_values), readers, list(rw.watch))
 
 
 def _output(tracer: Tracer, out, role: str) -> int:

@@ -6,6 +6,7 @@ captured scalar values or tensor data, so a new window size or softcap reuses th
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import html
 import linecache
@@ -14,6 +15,7 @@ import types
 
 import torch
 
+from .captures import same_capture
 from .derivative import Derivative, differentiate
 from .frontend import trace
 from .ir import BOOL, FLOAT, INT, KIND_NAMES
@@ -39,6 +41,7 @@ class GeneratedMods:
                  fastmath: bool):
         self._fns = fns
         self.fastmath = fastmath
+        self._scalar_values = [s.value for s in traced.graph.aux_scalars]
         self._traced = traced
         self._graph = traced.graph
         self._deriv = deriv
@@ -47,11 +50,23 @@ class GeneratedMods:
         self._names = names
 
     def refresh(self) -> "GeneratedMods":
-        """Trace the same functions again to pick up captured values changed since (e.g. a module-level constant).
-
-        Cheap (milliseconds); the hash, and so the compiled kernel, stays the same unless the structure changed.
+        """The mods as they are now: new values of captured numbers without tracing again (same source and hash);
+        a full `generate` only if something structural changed (a rebound tensor or function, a baked number, a
+        number changing type).
         """
-        return generate(*self._fns, fastmath=self.fastmath)
+        try:
+            if not all(same_capture(read(), value) for read, value in self._traced.watch):
+                return generate(*self._fns, fastmath=self.fastmath)
+            values = [read() for read in self._traced.scalar_readers]
+        except (KeyError, IndexError, ValueError, NameError):  # a slot vanished: trace again
+            return generate(*self._fns, fastmath=self.fastmath)
+        if not all(type(new) is type(old) for new, old in zip(values, self._scalar_values)):
+            return generate(*self._fns, fastmath=self.fastmath)
+        if values == self._scalar_values:
+            return self
+        fresh = copy.copy(self)
+        fresh._scalar_values = values
+        return fresh
 
     # -- what the kernels read ------------------------------------------------------------------------------------
     @property
@@ -80,7 +95,7 @@ class GeneratedMods:
 
     @property
     def aux_scalars(self) -> list:
-        return [s.value for s in self._graph.aux_scalars]
+        return list(self._scalar_values)
 
     @property
     def aux_scalar_names(self) -> list[str]:

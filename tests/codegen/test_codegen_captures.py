@@ -109,19 +109,65 @@ def test_same_tensor_captured_twice_is_one_aux_tensor():
     assert len(g.aux_tensors) == 1
 
 
-def test_refresh_picks_up_changed_module_level_values():
+def test_refresh_picks_up_changed_module_level_values_without_tracing():
     global WINDOW
 
     def mod(b, h, q_idx, kv_idx):
         return q_idx - kv_idx < WINDOW
 
     g = generate(mask_mod=mod)
+    assert g.refresh() is g  # nothing changed
     WINDOW = 5
     try:
         fresh = g.refresh()
     finally:
         WINDOW = 32
     assert fresh.aux_scalars == [5] and fresh.hash == g.hash
+    assert fresh.source is g.source and fresh._traced is g._traced  # same trace: new values only
+    assert g.aux_scalars == [32]
+
+
+def test_refresh_follows_closure_cells_and_retraces_on_structural_change():
+    table = torch.randn(3, 40)
+    state = {"cap": 10.0, "causal": True, "table": table}
+
+    def make():
+        cap, causal, tab = state["cap"], state["causal"], state["table"]
+
+        def mod(score, b, h, q_idx, kv_idx):
+            out = cap * torch.tanh(score / cap) + tab[h, kv_idx % 40]
+            if causal:
+                out = torch.where(q_idx >= kv_idx, out, float("-inf"))
+            return out
+
+        def set_(name, value):
+            nonlocal cap, causal, tab
+            if name == "cap":
+                cap = value
+            elif name == "causal":
+                causal = value
+            else:
+                tab = value
+        return mod, set_
+
+    mod, set_ = make()
+    g = generate(mod)
+    assert g.aux_scalar_names == ["cap"] and g.baked_scalars == {"causal": True}
+    set_("cap", 25.0)
+    r = g.refresh()
+    assert r.aux_scalars == [25.0] and r._traced is g._traced
+    set_("cap", 25)  # int now: a different kernel argument type, so trace again
+    r = g.refresh()
+    assert r._traced is not g._traced and r.aux_scalar_kinds == ["int"] and r.hash != g.hash
+    set_("cap", 25.0)
+    set_("causal", False)  # a baked number changed: new structure
+    r = g.refresh()
+    assert r.baked_scalars == {"causal": False} and r.hash != g.hash
+    set_("causal", True)
+    new_table = torch.randn(3, 40)
+    set_("table", new_table)  # rebound tensor: same structure, new aux tensor
+    r = g.refresh()
+    assert r.aux_tensors[0] is new_table and r.hash == g.hash
 
 
 def test_module_is_executed_once_per_hash_and_defines_the_contract():
