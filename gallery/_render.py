@@ -12,6 +12,7 @@ import argparse
 import base64
 import html
 import json
+import re
 import struct
 import zlib
 from pathlib import Path
@@ -114,47 +115,76 @@ def variant_pictures(variant, B: int = 1, H: int = 1) -> dict[str, torch.Tensor]
     return pictures
 
 
+_GALLERY_REF = re.compile(r"gallery:([A-Za-z_][A-Za-z0-9_]*)")
+_ROW_ALIASES = {"dense": "noop"}  # benchmark row variants that are a gallery variant under another name
+
+
 def latest_results(results_dir: Path) -> dict[str, list[dict]]:
-    """Benchmark rows per gallery variant, from the newest results file that measured it."""
-    rows: dict[str, list[dict]] = {}
-    newest: dict[str, str] = {}
+    """Benchmark rows per gallery variant; for each row and backend, the newest measurement across result files.
+
+    Result files come from ``python -m flexlab.bench``; a row names the variants it uses in ``mods``
+    (e.g. ``"gallery:softcap(cap=20) + gallery:causal"``), so a combined row is listed under each of them.
+    """
+    merged: dict[str, dict] = {}  # row name -> {"row": row, "results": {backend: (stamp, result)}, ...}
     for path in sorted(results_dir.glob("*.json")) if results_dir.is_dir() else []:
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        stamp = str(data.get("environment", {}).get("date_utc", "")) + path.name
+        if not isinstance(data, dict):
+            continue
+        env = data.get("environment", {}) or {}
+        stamp = f"{env.get('date_utc', '')}|{path.name}"
         for row in data.get("rows", []):
-            mods = str(row.get("mods", ""))
-            names = {row.get("variant")} | {part.split(":", 1)[1] for part in mods.replace("+", ",").split(",")
-                                             if part.strip().startswith("gallery:")}
-            for name in filter(None, names):
-                name = name.strip()
-                if stamp > newest.get(name, ""):
-                    newest[name], rows[name] = stamp, []
-                if stamp == newest[name]:
-                    rows[name].append(dict(row, _file=path.name, _gpu=data.get("environment", {}).get("gpu", "")))
+            if not isinstance(row, dict) or not row.get("name"):
+                continue
+            entry = merged.setdefault(row["name"], {"row": row, "results": {}, "gpu": env.get("gpu", ""),
+                                                    "files": set()})
+            for backend, result in (row.get("results") or {}).items():
+                held = entry["results"].get(backend)
+                measured = result.get("status") == "ok"
+                # a newer measurement wins; a newer "n/a" never hides an older real number
+                if held is None or (stamp > held[0] and (measured or held[1].get("status") != "ok")):
+                    entry["results"][backend] = (stamp, result)
+                    entry["files"].add(path.name)
+    rows: dict[str, list[dict]] = {}
+    for name, entry in sorted(merged.items()):
+        row = entry["row"]
+        names = set(_GALLERY_REF.findall(str(row.get("mods", "")))) | {
+            _ROW_ALIASES.get(row.get("variant"), row.get("variant"))}
+        flat = dict(row, results={b: r for b, (_, r) in entry["results"].items()}, _gpu=entry["gpu"],
+                    _file=", ".join(sorted(entry["files"])))
+        for variant in filter(None, names):
+            rows.setdefault(variant, []).append(flat)
+    for variant, listed in rows.items():  # the variant's own rows first, then rows that combine it with others
+        listed.sort(key=lambda r: (_ROW_ALIASES.get(r.get("variant"), r.get("variant")) != variant, r["name"]))
     return rows
+
+
+def _cell(result: dict) -> str:
+    if result.get("status") == "ok":
+        return (f"<td title='rel-L2 vs fp64 {result.get('rel_l2', {}).get('out', float('nan')):.1e}'>"
+                f"{result.get('wall_ms', float('nan')):.3f} ms<br><span class='muted'>"
+                f"{result.get('tflops', float('nan')):.0f} TFLOPS</span></td>")
+    reason = html.escape(str(result.get("error", result.get("status", ""))))[:200]
+    return f"<td class='muted' title='{reason}'>n/a</td>"
 
 
 def _numbers_table(rows: list[dict]) -> str:
     if not rows:
         return "<p class='muted'>No GPU measurement of this variant yet.</p>"
-    out = []
+    backends = []
     for row in rows:
-        cells = []
-        for backend, res in row.get("results", {}).items():
-            if res.get("status") == "ok":
-                cells.append(f"<tr><td>{html.escape(backend)}</td><td>{res.get('wall_ms', float('nan')):.3f}</td>"
-                             f"<td>{res.get('tflops', float('nan')):.0f}</td>"
-                             f"<td>{res.get('rel_l2', {}).get('out', float('nan')):.1e}</td></tr>")
-            else:
-                reason = html.escape(str(res.get("error", res.get("status", ""))))[:140]
-                cells.append(f"<tr><td>{html.escape(backend)}</td><td colspan='3' class='muted'>{reason}</td></tr>")
-        out.append(f"<p><b>{html.escape(row.get('name', ''))}</b> <span class='muted'>({html.escape(row['_gpu'])}, "
-                   f"{html.escape(row['_file'])})</span></p><table class='nums'><tr><th>backend</th><th>ms</th>"
-                   f"<th>TFLOPS</th><th>rel-L2 vs fp64</th></tr>{''.join(cells)}</table>")
-    return "".join(out)
+        backends += [b for b in row.get("results", {}) if b not in backends]
+    head = "".join(f"<th>{html.escape(b)}</th>" for b in backends)
+    body = "".join(f"<tr><td>{html.escape(row.get('name', ''))}</td>"
+                   + "".join(_cell(row["results"][b]) if b in row["results"] else "<td></td>" for b in backends)
+                   + "</tr>" for row in rows)
+    gpus = sorted({row["_gpu"] for row in rows if row.get("_gpu")})
+    files = sorted({f for row in rows for f in row["_file"].split(", ") if f})
+    return (f"<p class='muted'>Latest measurements ({html.escape(', '.join(gpus) or 'GPU')}; "
+            f"{html.escape(', '.join(files))}); hover a cell for its error vs float64 or why it is n/a.</p>"
+            f"<table class='nums'><tr><th>row</th>{head}</tr>{body}</table>")
 
 
 _CSS = """

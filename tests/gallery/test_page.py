@@ -58,21 +58,30 @@ def test_score_picture_for_a_score_variant():
     assert set(pics) == {"mask", "blocks", "score"}
 
 
-def test_latest_results_and_card(tmp_path):
-    row = {"name": "fwd causal B1 S1k", "variant": "causal", "mods": "gallery:causal",
-           "results": {"flexlab": {"status": "ok", "wall_ms": 0.123, "tflops": 456.0, "rel_l2": {"out": 2e-3}},
-                       "sdpa": {"status": "n/a", "error": "cannot express it"}}}
-    old = dict(row, results={"flexlab": {"status": "ok", "wall_ms": 9.0, "tflops": 1.0, "rel_l2": {"out": 1e-3}}})
-    (tmp_path / "a.json").write_text(json.dumps({"environment": {"date_utc": "2026-01-01", "gpu": "H200"},
-                                                 "rows": [old]}))
-    (tmp_path / "b.json").write_text(json.dumps({"environment": {"date_utc": "2026-02-01", "gpu": "H200"},
-                                                 "rows": [row]}))
+def test_latest_results_merge_files_and_fill_the_card(tmp_path):
+    def write(name, date, rows):
+        (tmp_path / name).write_text(json.dumps({"environment": {"date_utc": date, "gpu": "H200"}, "rows": rows}))
+
+    row = "fwd softcap_causal B1 S1k"
+    mods = "gallery:softcap(cap=20) + gallery:causal"
+    peers = {"sdpa": {"status": "n/a", "error": "cannot express it"},
+             "fa4": {"status": "ok", "wall_ms": 0.5, "tflops": 300.0, "rel_l2": {"out": 2e-3}},
+             "flexlab": {"status": "n/a", "error": "kernel not landed"}}
+    write("a_peers.json", "2026-01-01", [{"name": row, "variant": "softcap_causal", "mods": mods, "results": peers}])
+    ours = {"flexlab": {"status": "ok", "wall_ms": 0.123, "tflops": 456.0, "rel_l2": {"out": 2e-3}},
+            "fa4": {"status": "n/a", "error": "not run this time"}}
+    write("b_ours.json", "2026-02-01", [{"name": row, "variant": "softcap_causal", "mods": mods, "results": ours}])
+    write("c_probe.json", "2026-03-01", [{"cycles": 3}])  # rows without a name are not benchmark rows
+
     results = render.latest_results(tmp_path)
-    assert [r["results"]["flexlab"]["wall_ms"] for r in results["causal"]] == [0.123]
-    v = get_variant("causal")
-    card = render.render_card(v, render.variant_pictures(v), results["causal"])
-    assert "0.123" in card and "456" in card and "cannot express it" in card
-    assert card.count("data:image/png;base64,") == 2 and "def generate_causal" in card
+    assert set(results) >= {"softcap", "causal"}  # a combined row is listed under each variant it uses
+    merged = results["softcap"][0]["results"]
+    assert merged["flexlab"]["wall_ms"] == 0.123  # the newer real number replaces the older n/a
+    assert merged["fa4"]["wall_ms"] == 0.5  # a newer n/a does not hide an older real number
+    v = get_variant("softcap")
+    card = render.render_card(v, render.variant_pictures(v), results["softcap"])
+    assert "0.123 ms" in card and "456 TFLOPS" in card and "0.500 ms" in card and "cannot express it" in card
+    assert card.count("data:image/png;base64,") == 1 and "def generate_softcap" in card
     assert "No GPU measurement" in render.render_card(v, {}, [])
 
 
