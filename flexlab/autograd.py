@@ -68,6 +68,26 @@ def _block_mask_tensors(block_mask) -> tuple[list, list]:
     return tensors, [int(block_mask.BLOCK_SIZE[0]), int(block_mask.BLOCK_SIZE[1])]
 
 
+def backward_unsupported_reason(query, block_mask) -> str | None:
+    """Why flexlab's Hopper backward cannot differentiate this call (None when it can); no cutlass import.
+
+    For `flexlab.api` to decide between backend="cute" and a fallback before running the forward.
+    """
+    from .kernels.bwd_config import BWD_HEAD_DIMS, default_bwd_config
+    if query.dtype not in (torch.bfloat16, torch.float16):
+        return f"the backward kernel takes bfloat16/float16, got {query.dtype}"
+    if query.shape[-1] not in BWD_HEAD_DIMS:
+        return f"the backward kernel supports head dims {BWD_HEAD_DIMS}, got {query.shape[-1]}"
+    if block_mask is not None:
+        q_bs, kv_bs = (int(x) for x in block_mask.BLOCK_SIZE)
+        err = default_bwd_config(query.shape[-1]).block_mask_error(q_bs, kv_bs)
+        if err:
+            return err + "; build the mask with BLOCK_SIZE=128"
+        if block_mask.q_num_blocks is None:
+            return "the block mask has no Q-direction lists (q_num_blocks); build it with create_block_mask"
+    return None
+
+
 def differentiable_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
                              return_lse=False, deterministic: bool | None = None):
     """flex_attention through flexlab's custom ops (inputs already validated by `flexlab.api`).

@@ -131,6 +131,18 @@ def test_same_mods_reuse_one_registry_entry():
     assert _ops.register_mods(None, causal) != _ops.register_mods(None, lambda b, h, qi, kv: qi >= kv)
 
 
+def test_backward_support_is_decided_without_a_gpu():
+    from flexlab.autograd import backward_unsupported_reason
+    q = torch.empty(1, 2, 256, 128, dtype=torch.bfloat16)
+    assert backward_unsupported_reason(q, None) is None
+    assert "head dims" in backward_unsupported_reason(torch.empty(1, 2, 256, 96, dtype=torch.bfloat16), None)
+    assert "bfloat16" in backward_unsupported_reason(q.float(), None)
+    bm = flexlab.create_block_mask(lambda b, h, qi, kv: qi >= kv, 1, 1, 256, 256, BLOCK_SIZE=128)
+    assert backward_unsupported_reason(q, bm) is None
+    small = flexlab.create_block_mask(lambda b, h, qi, kv: qi >= kv, 1, 1, 256, 256, BLOCK_SIZE=32)
+    assert "BLOCK_SIZE" in backward_unsupported_reason(q, small)
+
+
 def test_opcheck_forward_and_backward_ops():
     """Schema, fake implementation and autograd registration agree with the real implementation."""
     bias = torch.randn(2, 7).requires_grad_(True)
