@@ -81,6 +81,21 @@ def score_image(delta: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
     return _upscale(rgb.round().to(torch.uint8))
 
 
+def curve_image(outputs: torch.Tensor, inputs: torch.Tensor, size: int = MAX_PIXELS) -> torch.Tensor:
+    """score_mod(s) against s as a line plot (identity in grey), for mods that reshape scores instead of biasing."""
+    rgb = torch.full((size, size, 3), 255, dtype=torch.uint8)
+    span = max(inputs.abs().max().item(), outputs.abs().max().item()) or 1.0
+    cols = torch.arange(size)
+    to_row = lambda v: ((1 - (v / span + 1) / 2) * (size - 1)).round().long().clamp(0, size - 1)  # noqa: E731
+    rgb[size // 2, :] = 225
+    rgb[:, size // 2] = 225
+    rgb[to_row(inputs), cols] = torch.tensor([190, 190, 190], dtype=torch.uint8)
+    rows = to_row(outputs)
+    for dr in (-1, 0, 1):
+        rgb[(rows + dr).clamp(0, size - 1), cols] = torch.tensor([178, 24, 43], dtype=torch.uint8)
+    return rgb
+
+
 def block_image(states: torch.Tensor) -> torch.Tensor:
     """One square per kernel tile: empty (light), partial (orange), full (blue), with a 1-pixel grid."""
     n_q, n_kv = states.shape
@@ -92,12 +107,23 @@ def block_image(states: torch.Tensor) -> torch.Tensor:
     return rgb
 
 
+PICTURE_LENGTH = 1024  # long enough for a block map of 8 x 8 kernel tiles
+
+
+def picture_lengths(variant) -> tuple[int, int]:
+    """The variant's example lengths scaled up to about PICTURE_LENGTH, if its length rule allows."""
+    q_len, kv_len = variant.example_lengths
+    factor = max(1, PICTURE_LENGTH // max(q_len, kv_len))
+    return (q_len * factor, kv_len * factor) if variant.accepts_lengths(q_len * factor, kv_len * factor) \
+        else (q_len, kv_len)
+
+
 def variant_pictures(variant, B: int = 1, H: int = 1) -> dict[str, torch.Tensor]:
-    """The pictures of one variant at its example lengths, for batch 0 and head 0."""
+    """The pictures of one variant at its picture lengths, for batch 0 and head 0."""
     import flexlab
     from flexlab.mods import evaluate_mask_mod, evaluate_score_mod, index_grid
 
-    q_len, kv_len = variant.example_lengths
+    q_len, kv_len = picture_lengths(variant)
     mods = variant.build(B, H, q_len, kv_len)
     grid = index_grid(1, 1, q_len, kv_len, "cpu")
     pictures = {}
@@ -109,7 +135,15 @@ def variant_pictures(variant, B: int = 1, H: int = 1) -> dict[str, torch.Tensor]
         pictures["blocks"] = block_image(flexlab.block_states(block_mask)[0, 0])
     if mods.score_mod is not None and variant.name != "noop":
         zeros = torch.zeros(1, 1, q_len, kv_len, dtype=torch.float64)
-        pictures["score"] = score_image(evaluate_score_mod(mods.score_mod, zeros, *grid)[0, 0], kept)
+        delta = evaluate_score_mod(mods.score_mod, zeros, *grid)[0, 0]
+        if bool((delta != 0).any()):
+            pictures["score"] = score_image(delta, kept)
+        else:  # no bias at all: show how the mod reshapes a range of scores (at b = h = q = kv = 0)
+            scores = torch.linspace(-100.0, 100.0, MAX_PIXELS, dtype=torch.float64)
+            ramp = scores.reshape(1, 1, 1, -1).expand(1, 1, 1, MAX_PIXELS).contiguous()
+            out = evaluate_score_mod(mods.score_mod, ramp, *index_grid(1, 1, 1, MAX_PIXELS, "cpu"))
+            if not torch.allclose(out.flatten(), scores):
+                pictures["curve"] = curve_image(out.flatten(), scores)
     if not pictures:
         pictures["mask"] = density_image(torch.ones(q_len, kv_len, dtype=torch.bool))
     return pictures
@@ -198,11 +232,12 @@ table{border-collapse:collapse;font-size:.85rem}td,th{border:1px solid #ddd;padd
 """
 
 _CAPTIONS = {"mask": "mask (kept fraction)", "score": "score_mod(0) (red +, blue -)",
+             "curve": "score_mod(s) for s in [-100, 100] (grey: s)",
              "blocks": f"blocks at {BLOCK_SIZE}x{BLOCK_SIZE} (blue full, orange partial)"}
 
 
 def render_card(variant, pictures: dict[str, torch.Tensor], rows: list[dict]) -> str:
-    q_len, kv_len = variant.example_lengths
+    q_len, kv_len = picture_lengths(variant)
     params = "".join(f"<tr><td><code>{p.name}</code></td><td>{p.default}</td><td>{p.min} .. {p.max} "
                      f"(step {p.step})</td><td>{html.escape(p.description)}</td></tr>" for p in variant.params)
     params_html = (f"<table><tr><th>parameter</th><th>default</th><th>range</th><th></th></tr>{params}</table>"

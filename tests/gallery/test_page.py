@@ -55,7 +55,7 @@ def test_score_picture_for_a_score_variant():
     pics = render.variant_pictures(get_variant("alibi"))
     assert set(pics) == {"score"}
     pics = render.variant_pictures(get_variant("gemma2_local"))
-    assert set(pics) == {"mask", "blocks", "score"}
+    assert set(pics) == {"mask", "blocks", "curve"}  # softcap adds nothing to 0: its curve is drawn instead
 
 
 def test_latest_results_merge_files_and_fill_the_card(tmp_path):
@@ -81,7 +81,7 @@ def test_latest_results_merge_files_and_fill_the_card(tmp_path):
     v = get_variant("softcap")
     card = render.render_card(v, render.variant_pictures(v), results["softcap"])
     assert "0.123 ms" in card and "456 TFLOPS" in card and "0.500 ms" in card and "cannot express it" in card
-    assert card.count("data:image/png;base64,") == 1 and "def generate_softcap" in card
+    assert card.count("data:image/png;base64,") == 1 and "def generate_softcap" in card and "score_mod(s)" in card
     assert "No GPU measurement" in render.render_card(v, {}, [])
 
 
