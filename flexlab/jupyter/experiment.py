@@ -107,9 +107,12 @@ def load_mods(code: str, *, params: Optional[dict] = None, variant=None, B: int 
     if variant is not None:
         base.update(variant.make.__globals__)
     base.update(torch=torch, B=B, H=H, Q_LEN=Q_LEN, KV_LEN=KV_LEN, device=device, **params)
-    ns = dict(base)
-    ns["__name__"] = f"flexlab_cell_{code_hash(code)}"
-    ns["__file__"] = filename
+    # A real module in sys.modules: torch.compile and pickling look functions up by their __module__.
+    module = types.ModuleType(f"flexlab_cell_{code_hash(code)}")
+    module.__dict__.update(base)
+    module.__file__ = filename
+    sys.modules[module.__name__] = module
+    ns = module.__dict__
     try:
         compiled = compile(code, filename, "exec")
         exec(compiled, ns)

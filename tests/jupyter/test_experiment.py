@@ -105,3 +105,11 @@ def test_spec_validation_names_the_field():
         RunSpec(backends=("triton",))
     with pytest.raises(ValueError, match="dtype"):
         RunSpec(dtype="int8")
+
+
+def test_torch_backend_accepts_mods_defined_in_cell_code():
+    # torch's flex_attention looks functions up through their __module__: the cell must be a real module.
+    variant = get_variant("gemma2_local")
+    mods = load_mods(variant.source, params=variant.defaults(), variant=variant, Q_LEN=32)
+    res = run_experiment(mods, RunSpec(S=32, H=1, D=16, dtype="fp32", backends=("torch",), **FAST))
+    assert res.row("torch").error is None and res.row("torch").passed
