@@ -39,6 +39,16 @@ _DOCS = {
 }
 
 
+_AS_REGISTER = '''@cute.jit
+def as_register(index):
+    """The index as a plain Int32 register value. Kernels derive q_idx/kv_idx from identity-tensor coordinates, and
+    CuTeDSL 4.8.1 fails to compile long integer-arithmetic chains on those; a register copy is free after
+    register allocation and keeps every mod compilable."""
+    reg = cute.make_rmem_tensor(1, Int32)
+    reg[0] = index
+    return reg[0]'''
+
+
 def literal(value, kind: str) -> str:
     if kind == BOOL:
         return f"Boolean({bool(value)})"
@@ -64,6 +74,7 @@ class FunctionEmitter:
         self.names: dict[int, str] = {}
         self.used: set[str] = set(params) | {"cute", "cutlass", "math", "Float32", "Int32", "Boolean", "Uint8"}
         self.aux_names: dict[int, str] = {}
+        self.laundered: set[str] = set()
         self.scalar_names: dict[int, str] = {}
         self.sizes: dict[tuple[int, int], str] = {}
         self.clamped: dict[tuple[int, int, int], str] = {}
@@ -122,7 +133,11 @@ class FunctionEmitter:
         if n.op == "const":
             return literal(n.attr[0], n.kind)
         if n.op == "input":
-            return n.attr[0]
+            name = n.attr[0]
+            if name in ("q_idx", "kv_idx") and name not in self.laundered:
+                self.laundered.add(name)
+                self._prologue.append(f"{name} = as_register({name})")
+            return name
         if n.op == "scalar":
             return self.scalar(n.attr[0])
         a = [self.value(j) for j in n.args]
@@ -284,6 +299,9 @@ def emit_module(graph: Graph, score_root: int | None, mask_root: int | None, der
         "import cutlass",
         "import cutlass.cute as cute",
         "from cutlass import Boolean, Float32, Int32",
+        "",
+        "",
+        _AS_REGISTER,
         "",
         "",
         emit_function(graph, "score_mod", score_root, "score", forward_nodes, fastmath=fastmath),
