@@ -84,3 +84,4 @@ def fake_arguments(dtype, head_dim: int, has_dlse: bool):
 
     return (bhsd(), bhsd(), rows(), rows() if has_dlse else None, rows(), rows(),
             make_fake_stream(use_tvm_ffi_env_stream=False))
+
