@@ -500,6 +500,8 @@ def _reject_kwargs(op, kwargs, loc, allowed=()):
 
 
 def _check_arity(fn, n: int, role: str):
+    if not callable(fn):
+        raise FlexlabTypeError(f"{role} must be a function, got {type(fn).__name__}")
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -550,6 +552,7 @@ def _trace_once(tracer: Tracer, score_mod, mask_mod) -> TraceResult:
 
 
 def _output(tracer: Tracer, out, role: str) -> int:
-    if out is None:
-        raise FlexlabTypeError(f"{role} returned None; it must return a tensor")
+    if not isinstance(out, (Proxy, torch.Tensor, bool, int, float)):
+        raise FlexlabTypeError(f"{role} returned {type(out).__name__}; it must return a 0-d tensor (the traced "
+                               f"value) or a Python number")
     return tracer.node_of(out, None, f"{role} result")

@@ -157,9 +157,15 @@ def test_more_unsupported_forms(body, op):
     assert op in str(err.value) and err.value.file == __file__
 
 
-def test_wrong_arity_is_a_type_error():
+def test_wrong_arity_return_type_or_object_is_a_type_error():
     with pytest.raises(TypeError, match="score_mod must take 5"):
         generate(score_mod=lambda s, b, h, q: s)
+    with pytest.raises(TypeError, match="mask_mod must be a function"):
+        generate(mask_mod=3)
+    with pytest.raises(TypeError, match="score_mod returned tuple"):
+        generate(score_mod=lambda s, b, h, q, kv: (s, s))
+    with pytest.raises(TypeError, match="mask_mod returned NoneType"):
+        generate(mask_mod=lambda b, h, q, kv: None)
 
 
 def test_fastmath_is_opt_in_and_part_of_the_hash():
