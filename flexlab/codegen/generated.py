@@ -111,6 +111,17 @@ class GeneratedMods:
         """Captured numbers that steer Python control flow in the mod, compiled in as constants."""
         return dict(self._traced.baked)
 
+    @property
+    def user_locations(self) -> list:
+        """The user's source lines the generated code came from (`Loc(file, line, function, text)`, trace order,
+        no repeats): what the `# function: line` comments in `.source` quote, for viewers that link back."""
+        seen, out = set(), []
+        for loc in self._graph.locs:
+            if loc is not None and loc not in seen:
+                seen.add(loc)
+                out.append(loc)
+        return out
+
     def kernel_aux_tensors(self) -> list[torch.Tensor]:
         """Captured tensors as the kernel reads them: contiguous, 64-bit narrowed to 32, bool as uint8, 0-d as (1,)."""
         out = []

@@ -118,6 +118,8 @@ def test_source_has_one_statement_per_line_and_points_at_user_code():
         assert line.startswith(("#", "return")) or line.count(" = ") == 1, line
     assert "cutlass.min(" in src and "TABLE_size1 - Int32(1)" in src  # indices clamped into the table
     compile(src, "<generated>", "exec")
+    (loc,) = g.user_locations
+    assert loc.file == __file__ and loc.function == "<lambda>" and "TABLE[h, (q - kv).abs() % 11]" in loc.text
 
 
 def _line_of(fn) -> int:
