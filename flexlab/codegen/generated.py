@@ -225,7 +225,8 @@ class GeneratedMods:
 
     def __repr__(self) -> str:
         return (f"GeneratedMods(score_mod={self._names[0]}, mask_mod={self._names[1]}, hash={self.hash[:12]}, "
-                f"aux_tensors={self.aux_tensor_names}, aux_scalars={dict(zip(self.aux_scalar_names, self.aux_scalars))})")
+                f"aux_tensors={self.aux_tensor_names}, "
+                f"aux_scalars={dict(zip(self.aux_scalar_names, self.aux_scalars))})")
 
 
 def _mod_name(fn) -> str:

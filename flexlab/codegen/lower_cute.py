@@ -275,7 +275,7 @@ def emit_function(graph: Graph, fn: str, root: int | None, default: str, forward
             em.atomic_add(term, em.aux_grad_slot[term.aux])
     else:
         ret = default if root is None else em.value(root)
-    lines = [f"@cute.jit", f"def {fn}({SIGNATURES[fn]}):", f'    """{_DOCS[fn]}"""']
+    lines = ["@cute.jit", f"def {fn}({SIGNATURES[fn]}):", f'    """{_DOCS[fn]}"""']
     body = em.body()
     if ret is not None:
         body.append(f"return {ret}")

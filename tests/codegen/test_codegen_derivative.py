@@ -42,7 +42,8 @@ OP_CASES = {
     "min_max_clamp": lambda s, b, h, q, kv: torch.minimum(s, s * 0.5) + torch.maximum(s, (q - kv) / 20)
     + s.clamp(-1, 1) + torch.maximum(s, s),
     "where_abs_sign": lambda s, b, h, q, kv: torch.where(q > kv, s.abs(), -s) * torch.sign(s) + torch.floor(s),
-    "remainder": lambda s, b, h, q, kv: torch.remainder(s, 1.7) + torch.fmod(s, 0.8) + torch.remainder(s, s.abs() / 3 + 1),
+    "remainder": lambda s, b, h, q, kv: torch.remainder(s, 1.7) + torch.fmod(s, 0.8)
+    + torch.remainder(s, s.abs() / 3 + 1),
     "double_cast": lambda s, b, h, q, kv: s.float().double() * 3 + (q > kv).float() * s,
     "tanh_chain": lambda s, b, h, q, kv: torch.tanh(torch.tanh(s) * 2) * 7,
 }

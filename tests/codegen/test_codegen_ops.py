@@ -56,7 +56,8 @@ BROADCAST_REFERENCE = {
 
 MASK_MODS = {
     "comparisons": lambda b, h, q, kv: (q > kv) | (q == kv + 3) | (q != kv) & (q <= 40) & (kv >= 2) & (kv < 60),
-    "logical": lambda b, h, q, kv: torch.logical_xor(torch.logical_and(q > kv, kv > 2), torch.logical_or(q < 5, h == 1)),
+    "logical": lambda b, h, q, kv: torch.logical_xor(torch.logical_and(q > kv, kv > 2),
+                                                     torch.logical_or(q < 5, h == 1)),
     "not": lambda b, h, q, kv: ~(q < kv) & torch.logical_not(kv == 3),
     "xor_bool": lambda b, h, q, kv: (q > kv) ^ (h == 0),
     "int_to_bool": lambda b, h, q, kv: ((q - kv) % 3).bool(),
