@@ -217,7 +217,7 @@ def _heatmap(grid: MaskGrid, name: str, coloraxis: Optional[str] = None):
 
 def _style_axes(fig, grid: MaskGrid, row=None, col=None):
     small = 48
-    xa = dict(title_text="kv index", side="top")
+    xa = dict(title_text="kv index")
     ya = dict(title_text="q index", autorange="reversed")
     if grid.kv.n_cells <= small and not grid.aggregated:
         xa.update(tickmode="array", tickvals=grid.kv.starts.tolist())
@@ -249,11 +249,11 @@ def plot_mask(mask_mod: Optional[MaskMod] = None, score_mod: Optional[ScoreMod] 
     grids = [mask_grid(mask_mod, score_mod, kind=k, **opts) for k in kinds]
     names = {"mask": f"mask_mod {_mod_name(mask_mod)}", "score": f"score_mod {_mod_name(score_mod)}"}
     fig = make_subplots(rows=1, cols=len(grids), subplot_titles=[names[g.kind] for g in grids],
-                        horizontal_spacing=0.12)
+                        horizontal_spacing=0.2)
     for i, grid in enumerate(grids, start=1):
         trace = _heatmap(grid, names[grid.kind])
-        if len(grids) > 1:
-            trace.colorbar = dict(x=0.44 if i == 1 else 1.0, len=0.9)
+        domain_end = fig.get_subplot(1, i).xaxis.domain[1]
+        trace.colorbar = dict(x=domain_end + 0.015, len=0.9, thickness=14)
         fig.add_trace(trace, row=1, col=i)
         _style_axes(fig, grid, row=1, col=i)
     g0 = grids[0]
@@ -283,16 +283,20 @@ def compare_mods(mod_a: Callable, mod_b: Callable, *, q_len: int, kv_len: Option
         ga, gb = mask_grid(None, mod_a, **opts), mask_grid(None, mod_b, **opts)
     diff = MaskGrid(ga.values - gb.values, ga.q, ga.kv, ga.kind, b, h)
     fig = make_subplots(rows=1, cols=3, subplot_titles=[names[0], names[1], f"{names[0]} − {names[1]}"],
-                        horizontal_spacing=0.06)
+                        horizontal_spacing=0.11, shared_yaxes=True)
     fig.add_trace(_heatmap(ga, names[0], coloraxis="coloraxis"), row=1, col=1)
     fig.add_trace(_heatmap(gb, names[1], coloraxis="coloraxis"), row=1, col=2)
     fig.add_trace(_heatmap(diff, "difference", coloraxis="coloraxis2"), row=1, col=3)
     for c, g in ((1, ga), (2, gb), (3, diff)):
         _style_axes(fig, g, row=1, col=c)
     span = float(torch.nan_to_num(diff.values.abs(), nan=0.0).max()) or 1.0
+    for c in (2, 3):
+        fig.update_yaxes(title_text=None, row=1, col=c)
+    bar_x = fig.get_subplot(1, 2).xaxis.domain[1] + 0.01
     fig.update_layout(
-        coloraxis=dict(colorscale="Blues" if kind == "mask" else "Viridis", colorbar=dict(x=0.63, len=0.9)),
-        coloraxis2=dict(colorscale="RdBu", cmin=-span, cmax=span, colorbar=dict(x=1.0, len=0.9)),
+        coloraxis=dict(colorscale="Blues" if kind == "mask" else "Viridis",
+                       colorbar=dict(x=bar_x, len=0.9, thickness=14)),
+        coloraxis2=dict(colorscale="RdBu", cmin=-span, cmax=span, colorbar=dict(x=1.01, len=0.9, thickness=14)),
         title=dict(text=f"b={b}, h={h}, {ga.q.length}x{ga.kv.length} "
                         f"<span style='font-size:11px'>({ga.describe()})</span>"),
         height=440, width=1320, margin=dict(t=110))

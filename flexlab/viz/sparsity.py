@@ -258,8 +258,7 @@ class SparsityReport:
                             subplot_titles=[f"tiles {self.tile[0]}×{self.tile[1]} (b={b}, h={h})",
                                             "kv tiles per Q tile", f"load on {self.num_sms} SMs"])
         fig.add_trace(self.states_trace(b, h), row=1, col=1)
-        fig.update_yaxes(autorange="reversed", title_text="q tile", row=1, col=1)
-        fig.update_xaxes(title_text="kv tile", side="top", row=1, col=1)
+        _tile_axes(fig, self.states.shape[-2:], 1)
         work = self.q_tile_work().reshape(-1)
         values, freq = torch.unique(work, return_counts=True)
         fig.add_trace(go.Bar(x=values.tolist(), y=freq.tolist(), name="Q tiles", marker_color="#2a6f97",
@@ -273,7 +272,7 @@ class SparsityReport:
                                  + "</extra>"), row=1, col=3)
         fig.update_xaxes(title_text="SM (sorted by load)", row=1, col=3)
         fig.update_layout(
-            barmode="overlay", height=430, width=1250, legend=dict(x=0.78, y=1.18, orientation="h"),
+            barmode="overlay", height=430, width=1000, legend=dict(x=0.7, y=1.16, orientation="h"),
             title=dict(text=(f"{self.name}: density {st['density']:.1%}, partial {st['partial_share']:.1%} of "
                              f"visited tiles, {st['flops_skipped_share']:.1%} FLOPs skipped, SM imbalance "
                              f"{st['sm_imbalance']:.2f}× (naive {st['sm_imbalance_naive']:.2f}×)"),
@@ -307,6 +306,13 @@ class SparsityReport:
                        for k, v in self.table_rows())
         return (f"<table class='flexlab-sparsity' data-testid='flexlab-sparsity'>"
                 f"<caption style='text-align:left'><b>{self.name}</b></caption>{body}</table>")
+
+
+def _tile_axes(fig, shape, col: int) -> None:
+    """Matrix orientation (q tiles down, kv tiles across) with integer ticks."""
+    nq, nk = (int(n) for n in shape)
+    fig.update_yaxes(autorange="reversed", title_text="q tile", dtick=1 if nq <= 16 else None, row=1, col=col)
+    fig.update_xaxes(title_text="kv tile", dtick=1 if nk <= 16 else None, row=1, col=col)
 
 
 # ----------------------------------------------------------------------------------------------- entry points
@@ -383,9 +389,8 @@ class SparsityComparison:
         fig = make_subplots(rows=1, cols=2, subplot_titles=[self.a.name, self.b.name], horizontal_spacing=0.08)
         fig.add_trace(self.a.states_trace(b, h, showscale=False), row=1, col=1)
         fig.add_trace(self.b.states_trace(b, h), row=1, col=2)
-        for c in (1, 2):
-            fig.update_yaxes(autorange="reversed", title_text="q tile", row=1, col=c)
-            fig.update_xaxes(title_text="kv tile", side="top", row=1, col=c)
+        _tile_axes(fig, self.a.states.shape[-2:], 1)
+        _tile_axes(fig, self.b.states.shape[-2:], 2)
         sa, sb = self.a.stats(), self.b.stats()
         fig.update_layout(height=440, width=940, margin=dict(t=110),
                           title=dict(text=f"density {sa['density']:.1%} vs {sb['density']:.1%}, SM imbalance "
