@@ -50,7 +50,10 @@ def results_table_html(result: RunResult) -> str:
     if result.cached:
         notes.append("<b>cached result</b> (cell unchanged)")
     caption = " · ".join(notes)
-    return (f"<table class='flexlab-results' data-testid='flexlab-results' style='border-collapse:collapse'>"
+    style = ("<style>.flexlab-results td,.flexlab-results th{padding:2px 10px;text-align:right}"
+             ".flexlab-results td:first-child,.flexlab-results th:first-child{text-align:left}"
+             ".flexlab-results tr:nth-child(even){background:var(--jp-layout-color2,#f3f3f3)}</style>")
+    return (f"{style}<table class='flexlab-results' data-testid='flexlab-results' style='border-collapse:collapse'>"
             f"<caption style='text-align:left;caption-side:top'>{caption}</caption>{head}{''.join(body)}</table>")
 
 
