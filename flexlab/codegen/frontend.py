@@ -177,7 +177,18 @@ def _make_operator(name: str):
     return op
 
 
-for _name in ("add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "floordiv", "rfloordiv", "mod",
+_IN_PLACE_OPERATORS = ("iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "iand", "ior", "ixor",
+                       "ilshift", "irshift")
+
+
+def _is_in_place(name: str) -> bool:
+    if name.startswith("__") and name.endswith("__"):
+        return name[2:-2] in _IN_PLACE_OPERATORS
+    return name.endswith("_") and not name.startswith("_")
+
+
+for _name in _IN_PLACE_OPERATORS + (
+              "add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "floordiv", "rfloordiv", "mod",
               "rmod", "pow", "rpow", "eq", "ne", "lt", "le", "gt", "ge", "and", "rand", "or", "ror", "xor", "rxor",
               "lshift", "rlshift", "rshift", "rrshift", "neg", "abs", "invert", "pos", "round", "floor", "ceil",
               "trunc"):
@@ -321,8 +332,9 @@ class Tracer:
         dynamic = [self.g.nodes[i] for i in needed if self.g.nodes[i].op in ("input", "load")]
         if dynamic:
             raise _unsupported(f"Python control flow on a traced value ({op})", loc,
-                               "a mod is traced once for all positions; use torch.where(cond, a, b) or combine "
-                               "boolean tensors with & and | instead of `if`/`and`/`or`")
+                               "a mod is traced once for all positions; use torch.where(cond, a, b), combine "
+                               "boolean tensors with & and | instead of `if`/`and`/`or`, and torch.maximum/"
+                               "torch.minimum instead of Python's max/min")
         scalars = [self.g.nodes[i].attr[0] for i in needed if self.g.nodes[i].op == "scalar"]
         if scalars:
             raise _Bake(self._scalar_slots[s] for s in scalars)
@@ -333,9 +345,13 @@ class Tracer:
         """Lower one op; `method` says it was called as a Tensor method (self first: x.where(cond, y))."""
         loc = _user_loc()
         try:
-            return self._dispatch(name, tuple(args), dict(kwargs), loc, method)
+            out = self._dispatch(name, tuple(args), dict(kwargs), loc, method)
         except KindError as e:
             raise _unsupported(name.strip("_"), loc, str(e)) from None
+        if _is_in_place(name) and args and isinstance(args[0], Proxy) and isinstance(out, Proxy):
+            args[0]._node = out.node  # x.mul_(2), x += 1: every alias of x sees the new value, as in torch
+            return args[0]
+        return out
 
     def _dispatch(self, name, args, kwargs, loc, method):
         op, flip = _canonical_name(name)
@@ -385,7 +401,7 @@ class Tracer:
             x, mask, value = (list(args) + [kwargs.get("mask"), kwargs.get("value")])[:3]
             return self.wrap(self.b.where(n(mask), n(value), n(x), loc))
         if op in _IDENTITY:
-            return args[0]
+            return self.wrap(n(args[0]))  # a new handle: in-place ops on a clone must not touch the original
         if op in _CASTS:
             kind, width = _CASTS[op]
             return self.wrap(self.b.cast(n(args[0]), kind, loc, width or "default"))
@@ -483,8 +499,10 @@ def _canonical_name(name: str) -> tuple[str, bool]:
         if inner[:1] == "i" and inner[1:] in _BINARY:
             return inner[1:], False
         return inner, False
-    if name.endswith("_") and name[:-1] in _BINARY:  # in-place tensor methods: the result is what matters
-        return name[:-1], False
+    if name.endswith("_") and not name.startswith("_"):  # in-place tensor methods: the result is what matters
+        base = name[:-1]
+        if base in _BINARY or base in _UNARY or base in ("clamp", "clip", "clamp_min", "clamp_max", "masked_fill"):
+            return base, False
     return name, False
 
 
@@ -543,7 +561,8 @@ def _trace_once(tracer: Tracer, score_mod, mask_mod) -> TraceResult:
             score_root = tracer.b.cast(_output(tracer, out, "score_mod"), FLOAT)
         if mask_mod is not None:
             g.scope = "mask_mod"
-            out = tracer.rewriter.rewrite(mask_mod)(*args[1:])
+            fresh = [tracer.wrap(g.input(name)) for name in ("b", "h", "q_idx", "kv_idx")]  # in-place ops stay local
+            out = tracer.rewriter.rewrite(mask_mod)(*fresh)
             mask_root = tracer.b.cast(_output(tracer, out, "mask_mod"), BOOL)
     g.scope = "score_mod"  # the derivative extends the score_mod
     rw = tracer.rewriter

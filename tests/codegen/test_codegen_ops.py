@@ -44,6 +44,7 @@ SCORE_MODS = {
     "masked_fill": lambda s, b, h, q, kv: s.masked_fill(q < kv, -1e9),
     "where_method": lambda s, b, h, q, kv: s.where(q >= kv, -s) + TABLE[h, kv % 11].where(q > kv, s),
     "tensor_methods": lambda s, b, h, q, kv: s.exp().log1p().mul(2).add(q, alpha=2).sub(1).div(3),
+    "in_place_methods": lambda s, b, h, q, kv: s.clone().mul_(2).abs_().clamp_(max=3).add_(kv),
     "python_if_on_constant": lambda s, b, h, q, kv: s * 2 if TABLE.shape[0] == 3 else s,
     "constant_output": lambda s, b, h, q, kv: 1.25,
     "identity": lambda s, b, h, q, kv: s,
@@ -145,6 +146,8 @@ def test_python_if_on_traced_value_is_an_error_with_a_hint():
     with pytest.raises(UnsupportedModError) as err:
         generate(mask_mod=branchy)
     assert err.value.line == _line_of(branchy) + 1 and "torch.where" in str(err.value)
+    with pytest.raises(UnsupportedModError, match="torch.maximum"):
+        generate(score_mod=lambda s, b, h, q, kv: s + max(q, kv))
 
 
 @pytest.mark.parametrize("body, op", [
@@ -192,3 +195,23 @@ def test_indices_past_the_captured_tensor_are_clamped_like_the_kernel():
     expected = ids[q.clamp(0, 9)] - ids[wrapped]
     assert torch.equal(got.expand_as(score), expected.float().expand_as(score))
     assert "ids_size0 - Int32(1)" in g.source
+
+
+def test_in_place_ops_update_every_alias_like_torch():
+    def mod(score, b, h, q_idx, kv_idx):
+        alias = score
+        score.mul_(2)
+        copy = score.clone()
+        copy += q_idx
+        copy.clamp_(max=5.0)
+        return alias + copy
+
+    def mask(b, h, q_idx, kv_idx):
+        q_idx += 1  # local to this call: the score_mod above never sees it
+        return q_idx > kv_idx
+
+    g = generate(mod, mask)
+    score, b, h, q, kv = _inputs(torch.float64)
+    expected = mod(score.clone(), b, h, q, kv)
+    torch.testing.assert_close(g.evaluate_score_mod(score, b, h, q, kv), expected)
+    assert torch.equal(g.evaluate_mask_mod(b, h, q, kv), q + 1 > kv)
