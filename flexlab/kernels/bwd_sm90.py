@@ -83,6 +83,9 @@ class FlexBwdSm90:
         self.num_consumer_threads = 128 * self.num_wg
         self.producer_regs, self.consumer_regs = cfg.register_split
         self.dq_cols = self.head_dim // self.num_wg  # dQ columns per consumer warpgroup
+        # Lean register plan (a score_mod at D=128): fp32 dK+dV, S, dP and the pre-mod scores do not fit in 240
+        # registers together, so dP^T is computed only after P is formed, and P is kept in 16 bits from then on.
+        self.lean = score_mod is not None and self.head_dim > 64
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -312,8 +315,11 @@ class FlexBwdSm90:
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
         acc_dP = cute.make_rmem_tensor(s_shape, Float32)
         wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, state.index], True, -1)
-        wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, state.index], True, -1)
-        warpgroup.wait_group(1)  # S^T is ready; dP^T is still on the tensor cores
+        if cutlass.const_expr(not self.lean):
+            wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, state.index], True, -1)
+            warpgroup.wait_group(1)  # S^T is ready; dP^T is still on the tensor cores
+        else:
+            warpgroup.wait_group(0)
 
         raw = None
         if cutlass.const_expr(self.score_mod is not None):
@@ -334,24 +340,35 @@ class FlexBwdSm90:
             lse2 = Float32(mLSE2[batch, head, q_start + c_cols[0, j][0]])
             for r in cutlass.range_constexpr(cute.size(s_cols, mode=[0])):
                 s_cols[r, j] = cute.math.exp2(s_cols[r, j] * log2_scale - lse2, fastmath=True)
-        warpgroup.wait_group(0)
+        if cutlass.const_expr(self.lean):
+            # P goes to 16 bits now (its fp32 registers die), and dV += P^T dO runs beside dP^T = V dO^T.
+            rP = cute.make_rmem_tensor_like(acc_S, self.dtype)  # accumulator order; as_operand_a re-views it
+            convert_to_16bit(acc_S, rP)
+            wgmma(tiled_mma_dkv, acc_dV, as_operand_a(rP), tVrdOt[None, None, None, state.index], False, -1)
+            wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, state.index], True, -1)
+            warpgroup.wait_group(0)
+            s_cols = rows_view(rP)
+        else:
+            warpgroup.wait_group(0)
         # dS^T = P^T * (dP^T - D[q])
         dp_cols = rows_view(acc_dP)
         for j in cutlass.range_constexpr(cute.size(dp_cols, mode=[1])):
             d = Float32(mDpsum[batch, head, q_start + c_cols[0, j][0]])
             for r in cutlass.range_constexpr(cute.size(dp_cols, mode=[0])):
-                dp_cols[r, j] = s_cols[r, j] * (dp_cols[r, j] - d)
+                dp_cols[r, j] = Float32(s_cols[r, j]) * (dp_cols[r, j] - d)
         if cutlass.const_expr(self.score_mod is not None):
             self.mod_backward(acc_dP, raw, coords, batch, head, q_start, kv_start, q_last, kv_last, aux_tensors,
                               aux_scalars, aux_grads)
 
-        convert_to_16bit(as_operand_a(acc_S), tVrP)
+        if cutlass.const_expr(not self.lean):
+            convert_to_16bit(as_operand_a(acc_S), tVrP)
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
         convert_to_16bit(acc_dP, rdS)
         cute.copy(st_ds, thr_st_ds.retile(rdS), tdSsdS[None, None, None, ds_index])
         cute.arch.fence_view_async_shared()  # dS^T in shared memory must be visible to the wgmma async proxy
 
-        wgmma(tiled_mma_dkv, acc_dV, tVrP, tVrdOt[None, None, None, state.index], False, -1)
+        if cutlass.const_expr(not self.lean):
+            wgmma(tiled_mma_dkv, acc_dV, tVrP, tVrdOt[None, None, None, state.index], False, -1)
         wgmma(tiled_mma_dkv, acc_dK, as_operand_a(rdS), tKrQt[None, None, None, state.index], False, -1)
         if issuer:
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous dQ reduce is done with sdQ
