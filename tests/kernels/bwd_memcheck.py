@@ -1,0 +1,57 @@
+"""Small backward cases through flexlab's custom ops, for compute-sanitizer:
+
+    compute-sanitizer --tool memcheck python tests/kernels/bwd_memcheck.py
+    compute-sanitizer --tool racecheck python tests/kernels/bwd_memcheck.py   (shared-memory hazards)
+
+Lengths are not tile multiples and Sq != Skv, so tail tiles, padded D/LSE rows, the TMA clipping of dK/dV stores and
+the dQ reduce past Sq are exercised, with GQA, a block mask, every trainable gallery variant, a gradient into the
+LSE output, and deterministic mode.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import flexlab
+from flexlab.autograd import differentiable_attention
+from flexlab.gallery import load_gallery
+from flexlab.testing import random_qkv
+
+
+def _run(Sq, Skv, D, Hkv, score_mod=None, bm=None, trainable=(), with_lse=False, deterministic=False):
+    q, k, v = random_qkv(1, 4, Sq, Skv, D, torch.bfloat16, "cuda", Hkv=Hkv, requires_grad=True)
+    out, lse = differentiable_attention(q, k, v, score_mod, bm, enable_gqa=Hkv != 4, return_lse=True,
+                                        deterministic=deterministic)
+    loss = out.float().square().sum() + (lse[torch.isfinite(lse)].sum() if with_lse else 0.0)
+    loss.backward()
+    torch.cuda.synchronize()
+    for t in (q, k, v, *trainable):
+        assert t.grad is not None and not torch.isnan(t.grad).any()
+
+
+def main() -> int:
+    for D in (64, 128):
+        _run(200, 333, D, 2)
+        _run(333, 200, D, 4, with_lse=True)
+        _run(1, 1, D, 1)
+        _run(300, 300, D, 2, deterministic=True)
+        bm = flexlab.create_block_mask(lambda b, h, qi, kv: (qi >= kv) & (qi - kv < 150), 1, 1, 300, 300,
+                                       device="cuda")
+        _run(300, 300, D, 2, bm=bm)
+        _run(300, 300, D, 2, bm=bm, deterministic=True)
+        print(f"ran dense/GQA/causal-window D={D}", flush=True)
+    for name, variant in sorted(load_gallery().items()):
+        S = next((s for s in (200, 256, 333) if variant.accepts_lengths(s, s)), None)
+        if S is None:
+            continue
+        mods = variant.build(1, 4, S, S, device="cuda")
+        trainable = [mods.tensors[t].requires_grad_(True) for t in variant.trainable]
+        bm = flexlab.create_block_mask(mods.mask_mod, 1, 4, S, S, device="cuda") if mods.mask_mod else None
+        _run(S, S, 128, 2, mods.score_mod, bm, trainable)
+        print(f"ran {name} S={S}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
