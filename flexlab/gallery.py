@@ -19,6 +19,7 @@ import importlib.resources
 import importlib.util
 import inspect
 import sys
+import types
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
@@ -194,8 +195,17 @@ def _variant_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.glob("*.py") if not p.name.startswith("_"))
 
 
+_PACKAGE = "flexlab._gallery_variants"
+
+
 def _import_file(path: Path):
-    module_name = f"flexlab._gallery_variants.{path.stem}"
+    """Import one variant file as ``flexlab._gallery_variants.<stem>``, registered so that tools which look a
+    function up by its ``__module__`` (inspect, torch.compile, pickle) find it."""
+    if _PACKAGE not in sys.modules:
+        package = types.ModuleType(_PACKAGE, "Variant files of flexlab's gallery, imported by flexlab.gallery.")
+        package.__path__ = []
+        sys.modules[_PACKAGE] = package
+    module_name = f"{_PACKAGE}.{path.stem}"
     spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module  # inspect.getsource needs the module registered
