@@ -192,4 +192,5 @@ def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, bloc
          tuple(_to_cute(t) for t in grads), _to_cute(sem) if sem is not None else None,
          _to_cute(rank) if rank is not None else None, stream)
     post(_to_cute(dq_accum, 16), _to_cute(dq, 16), scale, stream)
-    return dq, dk, dv, grads
+    # The kernel sees a 0-d captured tensor as (1,); hand the gradient back in the captured tensor's own shape.
+    return dq, dk, dv, [g.view(aux_tensors[slot].shape) for g, slot in zip(grads, entry.grad_slots)]
