@@ -104,7 +104,7 @@ class Builder:
                 raise KindError(f"{op} is only defined for integer values")
             _, (a, b) = self._promoted((a, b), loc, INT)
             return self.g.add(op, (a, b), INT, (), loc)
-        if op == "truediv":
+        if op in ("truediv", "atan2"):
             _, (a, b) = self._promoted((a, b), loc, FLOAT)
             return self.g.add(op, (a, b), FLOAT, (), loc)
         if op in ("add", "sub", "mul") and ka == kb == BOOL:

@@ -141,6 +141,19 @@ def _local(b: Builder, op: str, args: tuple[int, ...], out: int, g: int, loc):
         return (mul(g, b.unary("cos", x, loc)),)
     if op == "cos":
         return (mul(g, neg(b.unary("sin", x, loc))),)
+    if op == "tan":  # 1 + tan^2
+        return (mul(g, b.binary("add", c(1.0), mul(out, out), loc)),)
+    if op == "atan":
+        return (div(g, b.binary("add", c(1.0), mul(x, x), loc)),)
+    if op == "sinh":
+        return (mul(g, b.unary("cosh", x, loc)),)
+    if op == "cosh":
+        return (mul(g, b.unary("sinh", x, loc)),)
+    if op == "log10":
+        return (div(g, mul(x, c(math.log(10.0)))),)
+    if op == "atan2":  # atan2(y, x): d/dy = x / (x^2 + y^2), d/dx = -y / (x^2 + y^2)
+        r2 = b.binary("add", mul(x, x), mul(y, y), loc)
+        return div(mul(g, y), r2), div(mul(neg(g), x), r2)
     if op == "erf":
         return (mul(g, mul(c(2.0 / math.sqrt(math.pi)), b.unary("exp", neg(mul(x, x)), loc))),)
     raise AssertionError(f"no derivative rule for differentiable op {op!r}")  # pragma: no cover

@@ -37,13 +37,14 @@ _BINARY = {
     "logical_and": "logical_and", "logical_or": "logical_or", "logical_xor": "logical_xor",
     "bitwise_and": "bitwise_and", "and": "bitwise_and", "bitwise_or": "bitwise_or", "or": "bitwise_or",
     "bitwise_xor": "bitwise_xor", "xor": "bitwise_xor", "bitwise_left_shift": "lshift", "lshift": "lshift",
-    "bitwise_right_shift": "rshift", "rshift": "rshift",
+    "bitwise_right_shift": "rshift", "rshift": "rshift", "atan2": "atan2", "arctan2": "atan2",
 }
 _UNARY = {
     "exp": "exp", "exp2": "exp2", "log": "log", "log2": "log2", "log1p": "log1p", "expm1": "expm1",
     "sqrt": "sqrt", "rsqrt": "rsqrt", "tanh": "tanh", "sigmoid": "sigmoid", "expit": "sigmoid", "sin": "sin",
     "cos": "cos", "erf": "erf", "floor": "floor", "ceil": "ceil", "round": "round", "trunc": "trunc",
-    "fix": "trunc", "neg": "neg", "negative": "neg", "abs": "abs", "absolute": "abs", "sign": "sign",
+    "fix": "trunc", "tan": "tan", "atan": "atan", "arctan": "atan", "sinh": "sinh", "cosh": "cosh",
+    "log10": "log10", "neg": "neg", "negative": "neg", "abs": "abs", "absolute": "abs", "sign": "sign",
     "sgn": "sign", "logical_not": "logical_not", "bitwise_not": "bitwise_not", "invert": "bitwise_not",
 }
 _IDENTITY = ("clone", "detach", "contiguous", "requires_grad_", "cpu", "cuda")

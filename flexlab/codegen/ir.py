@@ -22,9 +22,9 @@ INPUT_KINDS = {"score": FLOAT, "b": INT, "h": INT, "q_idx": INT, "kv_idx": INT, 
 
 #: Ops and their arities; the emitters and the evaluator must cover exactly this table.
 UNARY_FLOAT_OPS = ("exp", "exp2", "log", "log2", "log1p", "expm1", "sqrt", "rsqrt", "tanh", "sigmoid", "sin",
-                   "cos", "erf", "floor", "ceil", "round", "trunc")
+                   "cos", "erf", "floor", "ceil", "round", "trunc", "tan", "atan", "sinh", "cosh", "log10")
 UNARY_OPS = UNARY_FLOAT_OPS + ("neg", "abs", "sign", "logical_not", "bitwise_not")
-BINARY_OPS = ("add", "sub", "mul", "truediv", "floordiv", "mod", "fmod", "pow", "minimum", "maximum",
+BINARY_OPS = ("add", "sub", "mul", "truediv", "atan2", "floordiv", "mod", "fmod", "pow", "minimum", "maximum",
               "eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_xor",
               "bitwise_and", "bitwise_or", "bitwise_xor", "lshift", "rshift")
 COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")

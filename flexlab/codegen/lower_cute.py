@@ -15,14 +15,16 @@ from .ir import BOOL, FLOAT, INT, Graph, float_literal
 
 _BUILTINS = set(dir(builtins))
 #: Transcendentals that take CuTeDSL's `fastmath` flag (approximate hardware instructions when enabled).
-_FASTMATH = ("exp", "exp2", "log", "log2", "log1p", "expm1", "sqrt", "rsqrt", "tanh", "sin", "cos", "erf")
+_FASTMATH = ("exp", "exp2", "log", "log2", "log1p", "expm1", "sqrt", "rsqrt", "tanh", "sin", "cos", "erf", "tan",
+             "atan", "sinh", "cosh", "log10")
 _DSL_TYPE = {FLOAT: "Float32", INT: "Int32", BOOL: "Boolean"}
 _INFIX = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "eq": "==", "ne": "!=", "lt": "<", "le": "<=",
           "gt": ">", "ge": ">=", "logical_and": "&", "logical_or": "|", "logical_xor": "^", "bitwise_and": "&",
           "bitwise_or": "|", "bitwise_xor": "^", "lshift": "<<", "rshift": ">>"}
 _MATH = {"exp": "exp", "exp2": "exp2", "log": "log", "log2": "log2", "log1p": "log1p", "expm1": "expm1",
          "sqrt": "sqrt", "rsqrt": "rsqrt", "tanh": "tanh", "sin": "sin", "cos": "cos", "erf": "erf",
-         "floor": "floor", "ceil": "ceil", "round": "roundeven", "trunc": "trunc"}
+         "floor": "floor", "ceil": "ceil", "round": "roundeven", "trunc": "trunc", "tan": "tan", "atan": "atan",
+         "sinh": "sinh", "cosh": "cosh", "log10": "log10"}
 
 SIGNATURES = {
     "score_mod": "score, b, h, q_idx, kv_idx, aux_tensors, aux_scalars",
@@ -163,6 +165,8 @@ class FunctionEmitter:
             return _pow_expr(a, args[1], kind, self.fm)
         if op in ("minimum", "maximum"):
             return f"cutlass.{op[:3]}({a[0]}, {a[1]})"
+        if op == "atan2":
+            return f"cute.math.atan2({a[0]}, {a[1]})"
         if op in _MATH:
             fm = self.fm if op in _FASTMATH else ""
             return f"cute.math.{_MATH[op]}({a[0]}{fm})"

@@ -19,11 +19,12 @@ _UNARY = {
     "exp": torch.exp, "exp2": torch.exp2, "log": torch.log, "log2": torch.log2, "log1p": torch.log1p,
     "expm1": torch.expm1, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt, "tanh": torch.tanh, "sigmoid": torch.sigmoid,
     "sin": torch.sin, "cos": torch.cos, "erf": torch.erf, "floor": torch.floor, "ceil": torch.ceil,
-    "round": torch.round, "trunc": torch.trunc, "neg": torch.neg, "abs": torch.abs, "sign": torch.sign,
+    "round": torch.round, "trunc": torch.trunc, "tan": torch.tan, "atan": torch.atan, "sinh": torch.sinh,
+    "cosh": torch.cosh, "log10": torch.log10, "neg": torch.neg, "abs": torch.abs, "sign": torch.sign,
     "logical_not": torch.logical_not, "bitwise_not": torch.bitwise_not,
 }
 _BINARY = {
-    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "truediv": torch.true_divide,
+    "atan2": torch.atan2, "add": torch.add, "sub": torch.sub, "mul": torch.mul, "truediv": torch.true_divide,
     "floordiv": torch.floor_divide, "mod": torch.remainder, "fmod": torch.fmod, "pow": torch.pow,
     "minimum": torch.minimum, "maximum": torch.maximum, "eq": torch.eq, "ne": torch.ne, "lt": torch.lt,
     "le": torch.le, "gt": torch.gt, "ge": torch.ge, "logical_and": torch.logical_and,

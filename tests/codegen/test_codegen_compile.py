@@ -27,6 +27,8 @@ def _every_op(score, b, h, q_idx, kv_idx):
     f = torch.exp(score / 8) + torch.exp2(-score.abs()) + torch.log(score.abs() + 1) + torch.log2(score * score + 1)
     f = f + torch.log1p(score.abs()) + torch.expm1(score / 10) + torch.sqrt(score.abs()) + torch.rsqrt(score.abs() + 1)
     f = f + torch.tanh(score) + torch.sigmoid(score) + torch.sin(score) + torch.cos(score) + torch.erf(score)
+    f = f + torch.tan(score / 4) + torch.atan(score) + torch.sinh(score / 3) + torch.cosh(score / 3)
+    f = f + torch.log10(score.abs() + 1) + torch.atan2(score, d.float() + 0.5)
     f = f + torch.floor(score) + torch.ceil(score) + torch.round(score) + torch.trunc(score) + score.clamp(-2, 2)
     f = f + score ** 2 + score.abs() ** 1.5 + (score.abs() + 1) ** (score / 9) + torch.sign(score) + score // 0.7
     f = f + score % 1.3 + torch.fmod(score, 0.9) + torch.where(d > 3, score, float("-inf")) + (score * 3).int()

@@ -46,6 +46,8 @@ OP_CASES = {
     + torch.remainder(s, s.abs() / 3 + 1),
     "double_cast": lambda s, b, h, q, kv: s.float().double() * 3 + (q > kv).float() * s,
     "tanh_chain": lambda s, b, h, q, kv: torch.tanh(torch.tanh(s) * 2) * 7,
+    "more_transcendentals": lambda s, b, h, q, kv: torch.tan(s / 4) * torch.atan(s) + torch.sinh(s / 3)
+    - torch.cosh(s / 3) + torch.log10(s.abs() + 1) + torch.atan2(s, q - kv + 0.5) + torch.atan2(s * s + 1, s),
 }
 
 

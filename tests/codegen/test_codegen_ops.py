@@ -27,6 +27,8 @@ SCORE_MODS = {
     "roots": lambda s, b, h, q, kv: torch.sqrt(s.abs()) + torch.rsqrt(s.abs() + 1),
     "tanh_sigmoid": lambda s, b, h, q, kv: torch.tanh(s) + torch.sigmoid(s) + s.sigmoid() * s.tanh(),
     "trig_erf": lambda s, b, h, q, kv: torch.sin(s) + torch.cos(s) + torch.erf(s / 2),
+    "more_transcendentals": lambda s, b, h, q, kv: torch.tan(s / 4) + torch.atan(s) + torch.sinh(s / 3)
+    + torch.cosh(s / 3) + torch.log10(s.abs() + 1) + torch.atan2(s, q - kv + 0.5) + torch.arctan2(kv, s),
     "rounding": lambda s, b, h, q, kv: torch.floor(s) + torch.ceil(s) + torch.round(s * 2.5) + torch.trunc(s),
     "clamp_clip": lambda s, b, h, q, kv: s.clamp(-1, 1) + torch.clip(s, min=-0.5) + s.clamp(max=0.3),
     "minimum_maximum": lambda s, b, h, q, kv: torch.minimum(s, (q - kv) / 10) + torch.maximum(s, -s / 2),
@@ -129,13 +131,13 @@ def _line_of(fn) -> int:
 
 
 def test_unsupported_op_names_op_file_and_line():
-    def uses_atan(score, b, h, q_idx, kv_idx):
-        return torch.atan(score)
+    def uses_lgamma(score, b, h, q_idx, kv_idx):
+        return torch.lgamma(score)
     with pytest.raises(UnsupportedModError) as err:
-        generate(score_mod=uses_atan)
+        generate(score_mod=uses_lgamma)
     e = err.value
-    assert e.op == "atan" and e.file == __file__ and e.line == _line_of(uses_atan) + 1
-    assert "torch.atan(score)" in str(e) and "hint" in str(e)
+    assert e.op == "lgamma" and e.file == __file__ and e.line == _line_of(uses_lgamma) + 1
+    assert "torch.lgamma(score)" in str(e) and "hint" in str(e)
 
 
 def test_python_if_on_traced_value_is_an_error_with_a_hint():
