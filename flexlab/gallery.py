@@ -15,6 +15,7 @@ Example::
 """
 from __future__ import annotations
 
+import html
 import importlib.resources
 import importlib.util
 import inspect
@@ -141,6 +142,19 @@ class Variant:
         if not self.accepts(*self.example_lengths):
             raise FlexlabValueError(f"Variant {self.name!r}: example_lengths {self.example_lengths} break its "
                                     f"own rule ({self.lengths_rule})")
+
+    def _repr_html_(self) -> str:
+        """A card for notebooks: what the variant is, its knobs, its length rule and its code."""
+        esc = html.escape
+        rows = "".join(f"<tr><td><code>{esc(p.name)}</code></td><td>{p.default}</td><td>{p.min} .. {p.max}</td>"
+                       f"<td>{esc(p.description)}</td></tr>" for p in self.params)
+        params = (f"<table><tr><th>parameter</th><th>default</th><th>range</th><th></th></tr>{rows}</table>"
+                  if rows else "<p>No parameters.</p>")
+        builtin = f"<code>{esc(self.builtin_equivalent)}</code>" if self.builtin_equivalent else "none"
+        return (f"<div class='flexlab-variant'><h4>{esc(self.name)} <small>({esc(self.kind)})</small></h4>"
+                f"<p>{esc(self.description)} <a href='{esc(self.paper)}' target='_blank'>paper</a></p>"
+                f"<p>Lengths: {esc(self.lengths_rule)}. Nearest built-in: {builtin}.</p>{params}"
+                f"<pre>{esc(self.source)}</pre></div>")
 
     def accepts_lengths(self, q_len: int, kv_len: int) -> bool:
         """Whether this variant makes sense for ``Q_LEN=q_len, KV_LEN=kv_len`` (see ``lengths_rule``)."""

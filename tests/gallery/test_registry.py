@@ -89,3 +89,11 @@ def test_param_and_variant_validation():
     with pytest.raises(FlexlabValueError):
         Variant(name="x", description="d", paper="https://x", kind="weird", make=lambda *a, **k: Mods())
     assert Param("w", 3, 0, 5).is_int and not Param("c", 3.0, 0.0, 5.0).is_int
+
+
+def test_notebook_card_shows_the_essentials():
+    v = get_variant("sliding_window")
+    card = v._repr_html_()
+    for text in ("sliding_window", v.paper, "window", "4096", "def generate_sliding_window", "flash_attn_func"):
+        assert text in card
+    assert "q_idx - kv_idx &lt; window" in card and "q_idx - kv_idx < window" not in card  # code is escaped
