@@ -34,8 +34,8 @@ def _bool_tree(depth):
 
 
 FLOAT_UNARY = ["exp", "exp2", "log", "log2", "log1p", "expm1", "sqrt", "rsqrt", "tanh", "sigmoid", "sin", "cos",
-               "erf", "neg", "abs", "square", "floor", "round", "softcap"]
-FLOAT_BINARY = ["add", "sub", "mul", "div", "min", "max", "pow"]
+               "erf", "neg", "abs", "square", "floor", "round", "softcap", "tan", "atan", "sinh", "cosh", "log10"]
+FLOAT_BINARY = ["add", "sub", "mul", "div", "min", "max", "pow", "atan2"]
 
 
 def _float_tree(depth):
@@ -110,7 +110,8 @@ def _ev_float(t, e):
         b = _ev_float(t[2], e)
         return {"add": lambda: a + b, "sub": lambda: a - b, "mul": lambda: a * b,
                 "div": lambda: a / (b.abs() + 1), "min": lambda: torch.minimum(a, b),
-                "max": lambda: torch.maximum(a, b), "pow": lambda: (a.abs() + 0.5) ** torch.tanh(b)}[op]()
+                "max": lambda: torch.maximum(a, b), "pow": lambda: (a.abs() + 0.5) ** torch.tanh(b),
+                "atan2": lambda: torch.atan2(a, b.abs() + 0.1)}[op]()
     safe = lambda x: torch.tanh(x) * 3  # noqa: E731  keeps exp/log arguments in range
     return {
         "exp": lambda: torch.exp(safe(a)), "exp2": lambda: torch.exp2(safe(a)), "log": lambda: torch.log(a.abs() + 1),
@@ -120,6 +121,8 @@ def _ev_float(t, e):
         "sin": lambda: torch.sin(a), "cos": lambda: torch.cos(a), "erf": lambda: torch.erf(a), "neg": lambda: -a,
         "abs": lambda: a.abs(), "square": lambda: a * a, "floor": lambda: torch.floor(a),
         "round": lambda: torch.round(a), "softcap": lambda: 5.0 * torch.tanh(a / 5.0),
+        "tan": lambda: torch.tan(torch.tanh(a)), "atan": lambda: torch.atan(a), "sinh": lambda: torch.sinh(safe(a)),
+        "cosh": lambda: torch.cosh(safe(a)), "log10": lambda: torch.log10(a.abs() + 1),
     }[op]()
 
 
