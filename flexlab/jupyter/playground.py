@@ -51,13 +51,13 @@ class CodeEditor(anywidget.AnyWidget):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self._run_handlers = []
-        self.on_msg(self._handle_msg)
+        self.on_msg(self._on_custom_msg)
         self.add_class("flexlab-editor")
 
     def on_run(self, handler) -> None:
         self._run_handlers.append(handler)
 
-    def _handle_msg(self, _widget, content, _buffers):
+    def _on_custom_msg(self, _widget, content, _buffers):
         if isinstance(content, dict) and content.get("type") == "run":
             for handler in self._run_handlers:
                 handler()

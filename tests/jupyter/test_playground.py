@@ -69,10 +69,19 @@ def test_slider_reruns_without_recompiling():
     assert "0 recompiles" in pg.status.value and "codegen reused" in pg.status.value
 
 
-def test_ctrl_enter_message_runs():
+def _from_browser(widget, data: dict) -> None:
+    """Deliver a comm message the way the front-end sends it (through ipywidgets' own dispatch)."""
+    widget._handle_msg({"content": {"data": data}, "buffers": []})
+
+
+def test_editor_text_and_ctrl_enter_arrive_from_the_browser():
     pg = fast(Playground("causal"))
-    pg.editor._handle_msg(pg.editor, {"type": "run"}, [])
+    code = "def mask_mod(b, h, q_idx, kv_idx):\n    return (q_idx >= kv_idx) & (q_idx - kv_idx < 3)\n"
+    _from_browser(pg.editor, {"method": "update", "state": {"code": code}, "buffer_paths": []})
+    assert pg.editor.code == code
+    _from_browser(pg.editor, {"method": "custom", "content": {"type": "run"}})
     assert pg.run_count == 1 and pg.result is not None
+    assert pg.result.density == pytest.approx((3 * 64 - 3) / 64 ** 2)
 
 
 def test_syntax_error_is_inline_with_line():
