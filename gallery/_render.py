@@ -228,7 +228,7 @@ body{font-family:system-ui,sans-serif;margin:2rem auto;max-width:1100px;color:#2
 .pics{display:flex;gap:1rem;flex-wrap:wrap}.pics figure{margin:0}.pics figcaption{font-size:.8rem;color:#555}
 pre{background:#f6f8fa;padding:.7rem;border-radius:6px;overflow-x:auto;font-size:.8rem}
 table{border-collapse:collapse;font-size:.85rem}td,th{border:1px solid #ddd;padding:2px 8px;text-align:left}
-.muted{color:#777;font-size:.85rem}nav a{margin-right:.6rem;font-size:.85rem}
+.muted{color:#777;font-size:.85rem}nav{display:flex;flex-wrap:wrap;gap:.2rem .8rem;font-size:.85rem}
 """
 
 _CAPTIONS = {"mask": "mask (kept fraction)", "score": "score_mod(0) (red +, blue -)",
