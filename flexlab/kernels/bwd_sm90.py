@@ -116,7 +116,14 @@ class FlexBwdSm90:
         sKV_layout = cute.tile_to_shape(atom_d, (tile_n, hd), order=(0, 1))
         sQ_layout = cute.tile_to_shape(atom_d, (tile_m, hd, self.num_stages), order=(0, 1, 2))
         sdS_layout = cute.tile_to_shape(atom_ds, (tile_m, tile_n, 2), order=(0, 1, 2))
-        sdQ_half = cute.make_ordered_layout((tile_m, self.dq_cols), order=(1, 0))  # fp32, one warpgroup's half
+        # fp32 dQ partials, one (tile_m, dq_cols) slab per warpgroup, 128-byte swizzled so that the accumulator's
+        # row-strided stores do not all land in the same banks (TMA undoes the swizzle on the way out). The lean
+        # plan keeps it unswizzled: the swizzled addresses cost registers it does not have.
+        dq_kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, Float32, self.dq_cols)
+        if cutlass.const_expr(self.lean):
+            dq_kind = warpgroup.SmemLayoutAtomKind.K_INTER
+        atom_dq = warpgroup.make_smem_layout_atom(dq_kind, Float32)
+        sdQ_layout = cute.tile_to_shape(atom_dq, (tile_m, self.dq_cols, self.num_wg), order=(0, 1, 2))
 
         load_op, store_op = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         one_stage = cute.select(sQ_layout, mode=[0, 1])
@@ -126,8 +133,8 @@ class FlexBwdSm90:
         tma_v, mV_t = cpasync.make_tiled_tma_atom(load_op, mV, sKV_layout, (tile_n, hd))
         tma_dk, mdK_t = cpasync.make_tiled_tma_atom(store_op, mdK, sKV_layout, (tile_n, hd))
         tma_dv, mdV_t = cpasync.make_tiled_tma_atom(store_op, mdV, sKV_layout, (tile_n, hd))
-        tma_dq, mdQ_t = cpasync.make_tiled_tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum, sdQ_half,
-                                                    (tile_m, self.dq_cols))
+        tma_dq, mdQ_t = cpasync.make_tiled_tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum,
+                                                    cute.select(sdQ_layout, mode=[0, 1]), (tile_m, self.dq_cols))
 
         @cute.struct
         class Storage:
@@ -138,7 +145,7 @@ class FlexBwdSm90:
             sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, tile_m * hd], 1024]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
 
         # P = exp2(x * c - LSE2): x is the raw score (c folds in the softmax scale) or the modded, scaled score.
         log2_scale = Float32(LOG2_E) if cutlass.const_expr(self.score_mod is not None) else softmax_scale * LOG2_E
@@ -146,7 +153,7 @@ class FlexBwdSm90:
         grid = [cute.size(mK.shape[2]), cute.size(mK.shape[3]), cute.ceil_div(mK.shape[0], tile_n)]
         self.kernel(mQ_t, mK_t, mV_t, mdO_t, mdK_t, mdV_t, mdQ_t, mLSE2, mDpsum, tma_q, tma_k, tma_v, tma_do,
                     tma_dk, tma_dv, tma_dq, softmax_scale, log2_scale, qhead_per_kvhead, sparse, aux_tensors,
-                    aux_scalars, aux_grads, mdQsem, mRank, sKV_layout, sQ_layout, sdS_layout, sdQ_half,
+                    aux_scalars, aux_grads, mdQsem, mRank, sKV_layout, sQ_layout, sdS_layout, sdQ_layout,
                     tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, Storage).launch(
             grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -159,7 +166,7 @@ class FlexBwdSm90:
                log2_scale: Float32, qhead_per_kvhead: Int32, sparse, aux_tensors, aux_scalars, aux_grads, mdQsem,
                mRank,
                sKV_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
-               sdQ_half: cute.Layout, tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma,
+               sdQ_layout: cute.ComposedLayout, tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma,
                tiled_mma_dq: cute.TiledMma, Storage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -196,7 +203,7 @@ class FlexBwdSm90:
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             tidx = cute.arch.thread_idx()[0] - 128
-            self.consume(mQ, mK, mdK, mdV, mdQ, mLSE2, mDpsum, sQ, sK, sV, sdO, sdS, storage, sKV_layout, sdQ_half,
+            self.consume(mQ, mK, mdK, mdV, mdQ, mLSE2, mDpsum, sQ, sK, sV, sdO, sdS, storage, sKV_layout, sdQ_layout,
                          tma_dk, tma_dv, tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_kv, pipe_qdo,
                          tidx, warp_idx, n_block, head_kv, batch, qhead_per_kvhead, num_m_blocks, sparse,
                          softmax_scale, log2_scale, aux_tensors, aux_scalars, aux_grads, mdQsem, mRank)
@@ -235,7 +242,7 @@ class FlexBwdSm90:
                 state.advance()
 
     @cute.jit
-    def consume(self, mQ, mK, mdK, mdV, mdQ, mLSE2, mDpsum, sQ, sK, sV, sdO, sdS, storage, sKV_layout, sdQ_half,
+    def consume(self, mQ, mK, mdK, mdV, mdQ, mLSE2, mDpsum, sQ, sK, sV, sdO, sdS, storage, sKV_layout, sdQ_layout,
                 tma_dk, tma_dv, tma_dq, tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma,
                 tiled_mma_dq: cute.TiledMma, pipe_kv, pipe_qdo, tidx: Int32, warp_idx: Int32, n_block: Int32,
                 head_kv: Int32, batch: Int32, qhead_per_kvhead: Int32, num_m_blocks: Int32, sparse,
@@ -267,11 +274,9 @@ class FlexBwdSm90:
         thr_st_ds = cute.make_tiled_copy_C(st_ds, tiled_mma_sdp).get_slice(tidx)
         tdSsdS = thr_st_ds.partition_D(transpose_smem(sdS))
         thr_dq = tiled_mma_dq.get_slice(tidx)
-        sdQ_all = storage.sdQ.get_tensor(cute.make_layout(
-            (self.tile_m, (self.dq_cols, self.num_wg)),
-            stride=(self.dq_cols, (1, self.tile_m * self.dq_cols))))
-        tdQsdQ = thr_dq.partition_C(sdQ_all)
-        sdQ_mine = cute.make_tensor(storage.sdQ.data_ptr() + wg * self.tile_m * self.dq_cols, sdQ_half)
+        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)  # (tile_m, dq_cols, wg)
+        tdQsdQ = thr_dq.partition_C(cute.group_modes(sdQ, 1, 3))  # viewed as the (tile_m, head_dim) C tile
+        sdQ_mine = sdQ[None, None, wg]
 
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         kv_start = n_block * self.tile_n
