@@ -275,6 +275,8 @@ class Playground(widgets.VBox):
                               1)
         else:
             self.last_error = err
+            if self.output.children:
+                box += "<div style='color:#777;font-size:12px'>the results below are from the previous run</div>"
         self.error_box.value = keep + box
         if not warning:
             self.status.value = "<b style='color:#b00020'>error</b>"
