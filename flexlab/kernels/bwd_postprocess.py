@@ -7,7 +7,6 @@ converts 8 consecutive elements: two 16-byte loads, one 16-byte store.
 from __future__ import annotations
 
 import cuda.bindings.driver as cuda
-import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 

@@ -15,7 +15,7 @@ import math
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32
 
 LOG2_E = math.log2(math.e)
 THREADS_PER_ROW = 8

@@ -309,7 +309,8 @@ class FlexBwdSm90:
     @cute.jit
     def step(self, m_block: Int32, partial, state, ds_index: Int32, tSrK, tSrQ, tPrV, tPrdO, tVrdOt, tKrQt, tVrP,
              st_ds, thr_st_ds, tQrdS, tQrKt, acc_dK, acc_dV, s_shape, dq_shape, coords, tdSsdS, tdQsdQ, tdQs, tdQg,
-             tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_qdo, mLSE2, mDpsum, kv_start: Int32, seqlen_k: Int32, log2_scale: Float32, mods, wg: Int32, issuer):
+             tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_qdo, mLSE2, mDpsum, kv_start: Int32,
+             seqlen_k: Int32, log2_scale: Float32, mods, wg: Int32, issuer):
         """One query tile against this CTA's keys: S^T, dP^T, P, dS, then dV, dK, and this tile's dQ partial.
 
         `partial`: the block mask lists this tile as partial, so mask_mod applies (a runtime branch, which keeps
