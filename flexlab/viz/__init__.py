@@ -4,8 +4,11 @@ Nothing here is imported by ``import flexlab``; plotly is only loaded when a fig
 """
 from __future__ import annotations
 
+from .compile_report import CompileReport, find_tool, forward_kernel_report, report_from_ptx
 from .mask_plot import compare_mods, mask_grid, mask_widget, plot_mask
+from .source_view import SourceView, source_view
 from .sparsity import SparsityReport, compare_blocks, inspect_blocks
 
 __all__ = ["compare_mods", "mask_grid", "mask_widget", "plot_mask", "SparsityReport", "compare_blocks",
-           "inspect_blocks"]
+           "inspect_blocks", "SourceView", "source_view", "CompileReport", "forward_kernel_report",
+           "report_from_ptx", "find_tool"]

@@ -25,6 +25,9 @@ INSTALL_HINTS = {
     "cutlass": "pip install nvidia-cutlass-dsl==4.8.1",
 }
 
+#: Lines of PTX shown inline (a forward kernel has ~10k); the full text stays on the report object.
+PTX_PREVIEW_LINES = 1500
+
 # SASS opcode (before the first '.') -> the group the report shows.
 SASS_GROUPS = {
     "HGMMA": "tensor core (HGMMA = wgmma)",
@@ -176,10 +179,18 @@ class CompileReport:
             mix = ("<table class='flexlab-sass-mix'><caption style='text-align:left'>SASS instruction mix</caption>"
                    + "".join(f"<tr><td style='text-align:left'>{html.escape(g)}</td><td>{n:,}</td></tr>"
                              for g, n in groups.items()) + "</table>")
+        ptx = ""
+        if self.ptx_text:
+            lines = self.ptx_text.splitlines()
+            shown = "\n".join(lines[:PTX_PREVIEW_LINES])
+            more = (f"\n… {len(lines) - PTX_PREVIEW_LINES:,} more lines (CompileReport.ptx_text has all)"
+                    if len(lines) > PTX_PREVIEW_LINES else "")
+            ptx = (f"<details><summary>PTX ({len(lines):,} lines)</summary><pre style='max-height:400px;"
+                   f"overflow:auto;font-size:11px'>{html.escape(shown + more)}</pre></details>")
         notes = "".join(f"<div style='color:#a15c00'>missing: {html.escape(m)}</div>" for m in self.missing)
         notes += "".join(f"<div style='color:#b00020'>{html.escape(e)}</div>" for e in self.errors)
         return (f"<div class='flexlab-compile-report' data-testid='flexlab-compile-report'>{notes}"
-                f"<div style='display:flex;gap:2em;align-items:flex-start'><table>{body}</table>{mix}</div></div>")
+                f"<div style='display:flex;gap:2em;align-items:flex-start'><table>{body}</table>{mix}</div>{ptx}</div>")
 
 
 def _missing(name: str) -> str:

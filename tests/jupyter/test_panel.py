@@ -62,3 +62,19 @@ def test_error_box_quotes_the_line():
     html = error_html(err)
     assert "data-line='3'" in html and "line 3" in html and "return q &gt;=" in html
     assert repr(ErrorDisplay(err)).startswith("flexlab error: SyntaxError")
+
+
+@pytest.mark.slow
+def test_compile_button_adds_the_kernel_report():
+    pytest.importorskip("cutlass")
+    from flexlab.viz.compile_report import find_tool
+    if find_tool("ptxas") is None:
+        pytest.skip("ptxas is not installed")
+    mods = load_mods("def mask_mod(b, h, q_idx, kv_idx):\n    return q_idx >= kv_idx\n", Q_LEN=64)
+    result = _result(mods)
+    result.spec = RunSpec(B=1, H=2, S=64, D=64, dtype="bf16", backends=("reference",))
+    source = ResultPanel(result, show=("code",)).widget().children[1].children[0]
+    source.compile_button.click()
+    html = source.children[1].value
+    assert "compile report" in html and "registers / thread" in html and "HGMMA" in html
+    assert source.compile_button.layout.display == "none"

@@ -75,6 +75,7 @@ def test_real_ptxas_and_nvdisasm_on_a_small_kernel():
         assert rep.opcodes["LDG.E"] + rep.opcodes.get("LDG.E.CONSTANT", 0) >= 1
     html = rep._repr_html_()
     assert "registers / thread" in html and "flexlab-compile-report" in html
+    assert "<summary>PTX (" in html and "ex2.approx.f32" in html
 
 
 def test_broken_ptx_is_reported_not_raised():

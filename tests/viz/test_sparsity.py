@@ -147,3 +147,13 @@ def test_shared_mask_expands_to_the_launch_batch_and_heads():
     assert rep.schedule().shape == (64, 3) and float(rep.sm_loads().sum()) == 8 * 36
     with pytest.raises(ValueError, match="cannot view it as 3"):
         inspect_blocks(create_block_mask(causal, 2, 1, 256, 256), B=3)
+
+
+def test_widget_walks_heads():
+    pytest.importorskip("ipywidgets")
+    rep = inspect_blocks(per_head_window, 1, 3, 512)
+    box = rep.widget()
+    box.h_slider.value = 2
+    assert torch.equal(torch.tensor(box.figure.data[0].z), rep.states[0, 2].long())
+    assert "h=2" in box.figure.layout.annotations[0].text
+    assert not torch.equal(rep.states[0, 0], rep.states[0, 2])
