@@ -81,7 +81,9 @@ def _lowered(score_mod, mask_mod) -> _Lowered:
     hit = _LOWERED.get(key)
     if hit is None or hit.state != state:
         from ..codegen import generate  # the code generator: readable CuTeDSL source for the mods
-        hit = _Lowered(generate(score_mod, mask_mod), state)
+        # fastmath: hardware approximations (tanh.approx, ex2.approx, ...) whose error is far below the bf16/fp16
+        # rounding of P, the same trade FA4 makes for its soft-cap.
+        hit = _Lowered(generate(score_mod, mask_mod, fastmath=True), state)
         _LOWERED[key] = hit
     return hit
 

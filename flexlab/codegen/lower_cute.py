@@ -151,6 +151,10 @@ class FunctionEmitter:
 
     def expr(self, op: str, kind: str, a: list[str], args) -> str:
         T = _DSL_TYPE[kind]
+        if op == "truediv" and kind == FLOAT and self.fm:
+            # Multiply by the reciprocal: a divisor shared by every element of a tile (a captured scale, a
+            # softcap) is then divided once per tile after common-subexpression elimination, not per element.
+            return f"{a[0]} * (Float32(1.0) / {a[1]})"
         if op in _INFIX:
             return f"{a[0]} {_INFIX[op]} {a[1]}"
         if op == "floordiv":
