@@ -21,6 +21,7 @@ from . import _ops
 def _setup_context(ctx, inputs, output):
     q, k, v, aux_tensors, block_mask, block_size, scale, mods, aux_scalars, deterministic = inputs
     out, lse = output
+    ctx.set_materialize_grads(False)  # an unused LSE output then costs nothing in the backward
     ctx.num_aux = len(aux_tensors)
     ctx.mask_present = [t is not None for t in block_mask]
     ctx.block_size, ctx.scale, ctx.mods = block_size, scale, mods
@@ -33,6 +34,8 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse, *rest = ctx.saved_tensors
     aux_tensors, mask_tensors = rest[:ctx.num_aux], iter(rest[ctx.num_aux:])
     block_mask = [next(mask_tensors) if present else None for present in ctx.mask_present]
+    if dout is None:  # only the LSE output was used
+        dout = torch.zeros_like(out)
     dq, dk, dv, grads = _ops.flex_attention_bwd(
         dout.contiguous(), q, k, v, out, lse, dlse, list(aux_tensors), block_mask, ctx.block_size, ctx.scale,
         ctx.mods, ctx.aux_scalars, ctx.deterministic)
