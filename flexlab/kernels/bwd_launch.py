@@ -145,7 +145,7 @@ def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, bloc
     except ValueError as e:
         raise BackendUnavailableError(f"backend='cute' backward: {e}") from None
     g = entry.generated
-    has_aux_grad = bool(entry.grad_slots)
+    has_aux_grad = bool(entry.grad_slots) and g is not None and g.has_score_mod  # a mask has no gradient
     if deterministic and has_aux_grad:
         raise BackendUnavailableError(
             "deterministic=True with captured tensors that require grad is not implemented in the cute backward yet "
