@@ -33,6 +33,31 @@ def _split(text: str, allowed: tuple, what: str) -> tuple:
     return items
 
 
+def _fingerprint(value):
+    import torch
+    if isinstance(value, (bool, int, float, str, type(None))):
+        return value
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value), value._version)
+    return ("object", id(value))
+
+
+def captured_state(fn) -> tuple:
+    """What a mod reads from outside itself (closure cells and the globals its code names), by value or identity."""
+    if fn is None:
+        return ()
+    code = getattr(fn, "__code__", None)
+    cells = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            cells.append(cell.cell_contents)
+        except ValueError:
+            cells.append(None)
+    names = code.co_names if code is not None else ()
+    glb = getattr(fn, "__globals__", {})
+    return tuple(_fingerprint(v) for v in cells) + tuple((n, _fingerprint(glb[n])) for n in names if n in glb)
+
+
 @magics_class
 class FlexAttnMagics(Magics):
     def __init__(self, shell=None):
@@ -70,14 +95,15 @@ class FlexAttnMagics(Magics):
         except ValueError as err:
             display(ErrorDisplay(err))
             return None
-        key = (cell, spec, show, args.report)
-        result = None if args.no_cache else self.cache.get(key)
         try:
             mods = load_mods(cell, B=spec.B, H=spec.H, Q_LEN=spec.S, KV_LEN=spec.Skv, device=device,
                              env=self.shell.user_ns if self.shell is not None else None)
         except CodeError as err:
             display(ErrorDisplay(err))
             return None
+        # The cell text alone is not enough: the mods may read notebook variables that changed since.
+        key = (cell, spec, show, args.report, captured_state(mods.score_mod), captured_state(mods.mask_mod))
+        result = None if args.no_cache else self.cache.get(key)
         if self.shell is not None:
             for name in ("score_mod", "mask_mod"):
                 fn = getattr(mods, name)

@@ -60,6 +60,14 @@ def test_unchanged_cell_hits_cache(ip, monkeypatch):
     assert ip.user_ns["again"].cached and ip.user_ns["again"].rows == ip.user_ns["first"].rows and not calls
 
 
+def test_changed_notebook_variable_is_not_served_from_cache(ip):
+    ip.user_ns["window"] = 9
+    ip.run_cell_magic("flexattn", ARGS + " -o w9", CELL)
+    ip.user_ns["window"] = 30
+    ip.run_cell_magic("flexattn", ARGS + " -o w30", CELL)
+    assert not ip.user_ns["w30"].cached and ip.user_ns["w30"].density > ip.user_ns["w9"].density
+
+
 def test_changed_arguments_run_again(ip):
     ip.run_cell_magic("flexattn", ARGS.replace("-S 64", "-S 32") + " -o small", CELL)
     assert ip.user_ns["small"].spec.S == 32 and not ip.user_ns["small"].cached
