@@ -17,6 +17,13 @@ stored once, without atomics, and are the same bits on every run.
 
 Query-direction block sparsity comes from torch's BlockMask (q_num_blocks/q_indices and the full_* pair), walked by
 the forward's `KvSchedule` with the roles of Q and KV swapped: partial blocks (mask_mod) first, then full blocks.
+
+Deterministic mode: dK/dV are already run-to-run identical (one CTA, fixed order). dQ partials are fp32 sums over KV
+tiles, so their order is fixed: before its TMA reduce-add into Q tile m, a warpgroup waits (acquire) until a
+semaphore for (batch, head, m, half) equals the number of lower KV tiles that visit m (n_block when dense, a host-built
+rank table with a block mask), and releases it once the reduce has landed. CTAs are launched KV-tile-slowest, so a
+CTA only ever waits for CTAs launched before it. Captured-tensor gradients still use fp32 atomics; the launcher
+refuses deterministic=True for them.
 """
 from __future__ import annotations
 
