@@ -96,19 +96,22 @@ def coarsen_states(states: torch.Tensor, q_factor: int, kv_factor: int) -> torch
     return out
 
 
-def lpt_order(work: torch.Tensor) -> torch.Tensor:
+def lpt_order(work: torch.Tensor, group: Optional[int] = None, ranked: bool = True) -> torch.Tensor:
     """Flat indices into ``work`` (B, H, n_q_tiles) in the order our forward kernel issues its CTAs.
 
-    Same rule as the kernel's host side (``flexlab.runtime.sparsity``): Q tiles are ranked longest-processing-time
-    first by their work summed over batch and heads (stable for ties), and the grid is (heads, batch, rank), so
-    for each rank every head of every batch is issued, head fastest. The heavy tiles start first and the short
-    ones fill the tail of the last wave. A 1-D ``work`` is treated as (1, 1, n).
+    The kernel's rule (``flexlab.runtime.schedule.issue_order``): Q tiles are ranked longest-processing-time first
+    by their work summed over batch and heads (stable for ties); (batch, head) pairs are dealt out in groups of
+    ``group`` (default: all of them) whose K/V fit in L2, and inside a group the rank is the slow index and the
+    head the fast one. ``ranked=False`` keeps Q tiles in index order (no block-mask ranking). A 1-D ``work`` is
+    treated as (1, 1, n).
     """
+    from ..runtime.schedule import issue_order
+
     w = work.reshape(1, 1, -1) if work.dim() == 1 else work
     B, H, nq = w.shape
-    rank = torch.argsort(-w.to(torch.float64).sum(dim=(0, 1)), stable=True)
-    bh = torch.arange(B * H)
-    return (bh[None, :] * nq + rank[:, None]).reshape(-1)
+    rank = torch.argsort(-w.to(torch.float64).sum(dim=(0, 1)), stable=True) if ranked else None
+    rows = issue_order(nq, B * H, group or B * H, rank)
+    return rows[:, 1] * nq + rows[:, 0]
 
 
 def simulate_sms(work: torch.Tensor, order: torch.Tensor, num_sms: int) -> torch.Tensor:
@@ -205,10 +208,16 @@ class SparsityReport:
         return ((s == BLOCK_FULL).sum(-1).to(torch.float64)
                 + self.partial_cost * (s == BLOCK_PARTIAL).sum(-1).to(torch.float64))
 
+    def head_group(self) -> int:
+        """(batch, head) pairs the kernel keeps in flight together so their K/V share L2 (bf16 K/V, no GQA)."""
+        from ..runtime.schedule import heads_per_group
+        B, H = self.states.shape[:2]
+        return heads_per_group(self.seq_lengths[1], self.head_dim, 2, 1, B * H)
+
     def schedule(self) -> torch.Tensor:
         """(n_items, 3) int64 rows (b, h, q_tile) in the order the kernel issues them (heaviest Q tiles first)."""
         work = self.q_tile_work()
-        order = lpt_order(work)
+        order = lpt_order(work, self.head_group())
         B, H, nq = work.shape
         return torch.stack([order // (H * nq), (order // nq) % H, order % nq], dim=1)
 
@@ -217,13 +226,9 @@ class SparsityReport:
         key = f"loads_{order}"
         if key not in self._cache:
             work = self.q_tile_work()
-            if order == "lpt":
-                idx = lpt_order(work)
-            elif order == "naive":                # the same grid without ranking: Q tiles in index order
-                B, H, nq = work.shape
-                idx = (torch.arange(B * H)[None, :] * nq + torch.arange(nq)[:, None]).reshape(-1)
-            else:
+            if order not in ("lpt", "naive"):
                 raise FlexlabValueError(f"order must be 'lpt' or 'naive', got {order!r}")
+            idx = lpt_order(work, self.head_group(), ranked=order == "lpt")
             self._cache[key] = simulate_sms(work, idx, self.num_sms)
         return self._cache[key]
 

@@ -157,3 +157,20 @@ def test_widget_walks_heads():
     assert torch.equal(torch.tensor(box.figure.data[0].z), rep.states[0, 2].long())
     assert "h=2" in box.figure.layout.annotations[0].text
     assert not torch.equal(rep.states[0, 0], rep.states[0, 2])
+
+
+def test_issue_order_groups_heads_for_l2_like_the_kernel():
+    # 4 (b, h) pairs in groups of 2: the first group's tiles all come before the second group's.
+    work = torch.tensor([[[1.0, 3.0, 2.0], [1.0, 3.0, 2.0]], [[1.0, 3.0, 2.0], [1.0, 3.0, 2.0]]])
+    order = lpt_order(work, group=2)
+    rows = [(int(i) // 3, int(i) % 3) for i in order]            # (b*H + h, q tile)
+    assert rows[:6] == [(0, 1), (1, 1), (0, 2), (1, 2), (0, 0), (1, 0)]
+    assert {hb for hb, _ in rows[6:]} == {2, 3}
+    naive = lpt_order(work, group=4, ranked=False)
+    assert [int(i) % 3 for i in naive[:4]] == [0, 0, 0, 0]
+
+
+def test_long_sequences_split_heads_into_l2_groups():
+    rep = inspect_blocks(create_block_mask(causal, 1, 1, 8192, 8192), B=1, H=32, num_sms=132)
+    assert 1 <= rep.head_group() < 32
+    assert rep.schedule().shape == (32 * 64, 3)
