@@ -241,8 +241,11 @@ class SparsityReport:
         nq, nk = s.shape
         q0, k0 = torch.arange(nq) * tq, torch.arange(nk) * tk
         names = [[STATE_NAMES[int(v)] for v in row] for row in s.tolist()]
-        custom = [[[int(q0[i]), min(sq, int(q0[i]) + tq) - 1, int(k0[j]), min(sk, int(k0[j]) + tk) - 1, names[i][j]]
-                   for j in range(nk)] for i in range(nq)]
+        ranking = torch.argsort(-self.q_tile_work().sum(dim=(0, 1)), stable=True)
+        rank_of = torch.empty_like(ranking)
+        rank_of[ranking] = torch.arange(nq)
+        custom = [[[int(q0[i]), min(sq, int(q0[i]) + tq) - 1, int(k0[j]), min(sk, int(k0[j]) + tk) - 1, names[i][j],
+                    int(rank_of[i])] for j in range(nk)] for i in range(nq)]
         scale = [[0.0, STATE_COLORS[0]], [1 / 3, STATE_COLORS[0]], [1 / 3, STATE_COLORS[1]],
                  [2 / 3, STATE_COLORS[1]], [2 / 3, STATE_COLORS[2]], [1.0, STATE_COLORS[2]]]
         return go.Heatmap(
@@ -251,6 +254,7 @@ class SparsityReport:
             colorbar=dict(tickvals=[0, 1, 2], ticktext=["empty", "partial", "full"], len=0.6),
             hovertemplate=("q tile %{y} (q %{customdata[0]}–%{customdata[1]})<br>"
                            "kv tile %{x} (kv %{customdata[2]}–%{customdata[3]})<br>%{customdata[4]}"
+                           "<br>Q tile issued at rank %{customdata[5]}"
                            f"<extra>{self.name}</extra>"))
 
     def figure(self, b: int = 0, h: int = 0):

@@ -174,3 +174,9 @@ def test_long_sequences_split_heads_into_l2_groups():
     rep = inspect_blocks(create_block_mask(causal, 1, 1, 8192, 8192), B=1, H=32, num_sms=132)
     assert 1 <= rep.head_group() < 32
     assert rep.schedule().shape == (32 * 64, 3)
+
+
+def test_hover_shows_issue_rank_of_q_tile():
+    rep = inspect_blocks(causal, 1, 1, 512)
+    custom = rep.states_trace().customdata
+    assert [row[0][5] for row in custom] == [3, 2, 1, 0]          # the last (longest) Q tile is issued first
