@@ -136,17 +136,16 @@ def load_mods(code: str, *, params: Optional[dict] = None, variant=None, B: int 
                 raise
             raise _code_error(err, code, filename, f"building variant {variant.name!r}") from None
         score_mod, mask_mod, tensors = mods.score_mod, mods.mask_mod, dict(mods.tensors)
-    for name, fn, arity in (("score_mod", score_mod, 5), ("mask_mod", mask_mod, 4)):
-        if fn is not None and not callable(fn):
-            raise CodeError(f"{name} must be a function, got {type(fn).__name__}", kind="type")
     from ..mods import check_mask_mod, check_score_mod
-    try:
-        check_score_mod(score_mod)
-        check_mask_mod(mask_mod)
-    except Exception as err:                                       # noqa: BLE001
-        fn = score_mod if "score_mod" in str(err) else mask_mod
-        line = getattr(getattr(fn, "__code__", None), "co_firstlineno", None)
-        raise CodeError(str(err), line, code.splitlines()[line - 1] if line else None, "type") from None
+    for fn, check in ((score_mod, check_score_mod), (mask_mod, check_mask_mod)):
+        try:
+            check(fn)
+        except Exception as err:                                   # noqa: BLE001 - a wrong signature or type
+            fn_code = getattr(fn, "__code__", None)
+            line = fn_code.co_firstlineno if fn_code is not None and fn_code.co_filename == filename else None
+            lines = code.splitlines()
+            raise CodeError(str(err), line, lines[line - 1] if line and line <= len(lines) else None,
+                            "type") from None
     return LoadedMods(score_mod, mask_mod, tensors, filename, code_hash(code))
 
 
