@@ -29,6 +29,10 @@ SERVER_START_S = 90
 RUN_ALL_S = int(os.environ.get("FLEXLAB_BROWSER_RUN_ALL_S", 240))
 RERUN_S = 120
 
+BROKEN_CODE = """def mask_mod(b, h, q_idx, kv_idx):
+    return q_idx >= undefined_name
+"""
+
 NEW_CODE = """def score_mod(score, b, h, q_idx, kv_idx):
     return score - 0.05 * torch.abs(q_idx - kv_idx)
 
@@ -120,7 +124,7 @@ def test_playground_edit_and_run(lab, artifacts):
         finally:
             browser.close()
     assert sorted(p.name for p in artifacts.glob("*.png")) == ["01_opened.png", "02_ran_all.png", "03_edited.png",
-                                                                "04_rerun.png", "05_mask_plot.png"]
+                                                                "04_rerun.png", "05_mask_plot.png", "06_error.png"]
 
 
 def _wait_idle(page, timeout_s: float) -> None:
@@ -185,3 +189,18 @@ def _drive(page, artifacts: Path) -> None:
         cells = row.locator("td").all_inner_texts()
         # a backend that could not run shows one wide cell with its error instead of numbers and a verdict
         assert len(cells) > 2 and "pass" in cells, f"backend row did not run: {cells}"
+
+    # a mistake is reported next to the code, at its line, and the kernel keeps going
+    editor.click()
+    page.keyboard.press("Control+a")
+    page.keyboard.press("Delete")
+    page.keyboard.insert_text(BROKEN_CODE)
+    page.wait_for_timeout(1000)
+    _wait_idle(page, 30)
+    playground.locator("button.flexlab-run").first.click()
+    error = playground.locator(".flexlab-error").first
+    error.wait_for(timeout=RERUN_S * 1000)
+    assert error.get_attribute("data-line") == "2" and "undefined_name" in error.inner_text(), error.inner_text()
+    _wait_idle(page, 60)
+    assert playground.locator(".flexlab-error-line").count() == 1  # the editor marks the line too
+    page.screenshot(path=str(artifacts / "06_error.png"))
