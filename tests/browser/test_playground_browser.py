@@ -1,8 +1,9 @@
 """A real browser drives the playground: JupyterLab on localhost, Debian's Chromium through Playwright.
 
 Opens notebooks/02_playground.ipynb, runs all cells, replaces the editor code, presses Run, and checks that the
-results table changes and the mask plot renders. Screenshots go to $FLEXLAB_BROWSER_ARTIFACTS (default: a
-temporary directory, printed at the end).
+results table changes to the typed code's numbers and the mask plot renders; then types a broken mod and checks
+the error is shown at its line. Screenshots go to $FLEXLAB_BROWSER_ARTIFACTS (default: a temporary directory,
+printed at the end).
 """
 from __future__ import annotations
 
