@@ -225,9 +225,9 @@ def _import_file(path: Path):
     sys.modules[module_name] = module  # inspect.getsource needs the module registered
     try:
         spec.loader.exec_module(module)
-    except Exception:
+    except Exception as err:
         sys.modules.pop(module_name, None)
-        raise
+        raise FlexlabValueError(f"gallery file {path.name} failed to import: {type(err).__name__}: {err}") from err
     return module
 
 

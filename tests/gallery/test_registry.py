@@ -97,3 +97,18 @@ def test_notebook_card_shows_the_essentials():
     for text in ("sliding_window", v.paper, "window", "4096", "def generate_sliding_window", "flash_attn_func"):
         assert text in card
     assert "q_idx - kv_idx &lt; window" in card and "q_idx - kv_idx < window" not in card  # code is escaped
+
+
+@pytest.mark.parametrize("body,message", [
+    ("raise RuntimeError('boom')\n", "broken.py failed to import: RuntimeError: boom"),
+    ("x = 1\n", "broken.py must define VARIANT"),
+    ("from flexlab.gallery import Mods, Variant\nVARIANT = Variant(name='other', description='d', "
+     "paper='https://x', kind='mask', make=lambda *a, **k: Mods())\n", "must be named after its variant"),
+])
+def test_a_bad_variant_file_is_named_in_the_error(tmp_path, body, message):
+    from flexlab.gallery import _load
+
+    (tmp_path / "broken.py").write_text(body)
+    (tmp_path / "_helper.py").write_text("raise RuntimeError('files starting with _ are not variants')\n")
+    with pytest.raises(FlexlabValueError, match=message):
+        _load(str(tmp_path))
