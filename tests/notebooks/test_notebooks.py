@@ -49,3 +49,19 @@ def test_notebook_runs_on_cpu(path, monkeypatch):
     errors = [o for c in book.cells if c.cell_type == "code" for o in c.outputs if o.get("output_type") == "error"]
     assert not errors
     assert all(c.execution_count for c in book.cells if c.cell_type == "code" and c.source.strip())
+
+
+PUBLIC_MODULES = ("flexlab", "flexlab.gallery", "flexlab.viz", "flexlab.viz.source_view", "flexlab.testing",
+                  "flexlab.bench.report")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebooks_use_the_public_api(path):
+    """Notebooks are documentation: they import public modules and touch no private names."""
+    import re
+
+    book = nbformat.read(path, as_version=4)
+    code = "\n".join(c.source for c in book.cells if c.cell_type == "code")
+    for module in re.findall(r"^\s*(?:from|import)\s+(flexlab[\w.]*)", code, flags=re.M):
+        assert module in PUBLIC_MODULES, f"{path.name} imports {module}"
+    assert not re.search(r"flexlab\.[\w.]*\b_[a-z]", code), f"{path.name} uses a private flexlab name"
