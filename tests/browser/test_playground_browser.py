@@ -87,7 +87,7 @@ def lab(tmp_path):
             time.sleep(0.5)
         yield base, token
     finally:
-        # the server and the kernels it started share its session: end that process group, then wait
+        # the server and the kernels it started form one process group: end that group, then wait
         try:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait(timeout=20)

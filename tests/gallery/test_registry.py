@@ -109,6 +109,6 @@ def test_a_bad_variant_file_is_named_in_the_error(tmp_path, body, message):
     from flexlab.gallery import _load
 
     (tmp_path / "broken.py").write_text(body)
-    (tmp_path / "_helper.py").write_text("raise RuntimeError('files starting with _ are not variants')\n")
+    (tmp_path / "_shared.py").write_text("raise RuntimeError('files starting with _ are not variants')\n")
     with pytest.raises(FlexlabValueError, match=message):
         _load(str(tmp_path))
