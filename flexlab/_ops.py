@@ -47,7 +47,8 @@ class ModEntry:
         if self.generated is not None and state == self._state:
             return
         from .codegen import generate
-        g = generate(self.score_mod, self.mask_mod)
+        # fastmath, as the forward kernel's mods: the backward must recompute exactly the scores the LSE came from.
+        g = generate(self.score_mod, self.mask_mod, fastmath=True)
         self.generated, self._state = g, state
         self.aux_tensors = list(g.aux_tensors)
         self.aux_scalars = [float(v) for v in g.aux_scalars]
