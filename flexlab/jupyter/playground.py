@@ -21,6 +21,8 @@ import anywidget
 import ipywidgets as widgets
 import traitlets
 
+from ..errors import UnsupportedModError
+
 from .experiment import (BACKENDS, DTYPES, CodeError, RunResult, RunSpec, _code_error, code_hash, load_mods,
                          run_experiment)
 from .panel import ResultPanel, error_html
@@ -236,9 +238,13 @@ class Playground(widgets.VBox):
             g0 = time.perf_counter()
             view = self._source_view(mods, code)
             codegen_s = time.perf_counter() - g0
+            late_warning = None
             if view.exception is not None:
-                self._show_error(_code_error(view.exception, code, mods.filename, "generating CuTeDSL"),
-                                 warning=True)
+                warning = _code_error(view.exception, code, mods.filename, "generating CuTeDSL")
+                if isinstance(view.exception, UnsupportedModError):
+                    self._show_error(warning, warning=True)
+                else:                   # most likely the same mistake the run reports next; say it only if not
+                    late_warning = warning
             try:
                 result = run_experiment(mods, spec, progress=self._progress)
             except Exception as err:                               # noqa: BLE001 - located in the user's code
@@ -250,6 +256,8 @@ class Playground(widgets.VBox):
             self.run_button.disabled = False
             self.progress.value = 1.0
         self.result = result
+        if late_warning is not None:
+            self._show_error(late_warning, warning=True)
         panel = ResultPanel(result, user_code=code, source=view)
         self.panel = panel
         self.output.children = [panel.widget()]

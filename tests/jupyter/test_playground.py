@@ -126,3 +126,11 @@ def test_changing_variant_resets_editor_and_sliders():
 def test_unknown_variant_is_named():
     with pytest.raises(ValueError, match="no gallery variant named 'nope'"):
         Playground("nope")
+
+
+def test_runtime_mistake_is_reported_once():
+    pg = fast(Playground(None))
+    pg.editor.code = "def mask_mod(b, h, q_idx, kv_idx):\n    return q_idx >= undefined_name\n"
+    assert pg.run() is None
+    assert pg.error_box.value.count("data-testid='flexlab-error'") == 1
+    assert "NameError" in pg.error_box.value and pg.editor.error_line == 2
