@@ -13,6 +13,7 @@ kernel's algorithm), so the ops, their autograd formula and their tracing are te
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from typing import Callable, Optional
 
 import torch
@@ -83,16 +84,34 @@ def mod_entry(key: str) -> ModEntry:
     return entry
 
 
+_MASKS: "OrderedDict[tuple, tuple]" = OrderedDict()
+_MASKS_KEPT = 16
+
+
 def rebuild_block_mask(block_mask: list[Optional[Tensor]], block_size: list[int], mask_mod, q_len: int,
                        kv_len: int):
-    """A torch BlockMask from the op's tensor list (None when the list is empty)."""
+    """A torch BlockMask from the op's tensor list (None when the list is empty).
+
+    The same tensors give the same BlockMask object, so the kernels' per-mask caches (tile-split block lists) hit
+    in a training loop that reuses its mask. Entries hold their tensors, so an address in the key cannot be reused
+    by another mask while cached; the in-place version counter catches edits.
+    """
     if not block_mask:
         return None
     from torch.nn.attention.flex_attention import BlockMask, noop_mask
     kv_num, kv_idx, full_num, full_idx = block_mask[:4]
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tuple(block_size),
-                                    mask_mod=mask_mod or noop_mask, seq_lengths=(q_len, kv_len),
-                                    compute_q_blocks=False)
+    key = (tuple((t.data_ptr(), t._version, tuple(t.shape)) if t is not None else None for t in block_mask[:4]),
+           tuple(block_size), mask_mod, q_len, kv_len)
+    hit = _MASKS.get(key)
+    if hit is not None:
+        _MASKS.move_to_end(key)
+        return hit[0]
+    bm = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tuple(block_size),
+                                  mask_mod=mask_mod or noop_mask, seq_lengths=(q_len, kv_len), compute_q_blocks=False)
+    _MASKS[key] = (bm, tuple(block_mask[:4]))
+    while len(_MASKS) > _MASKS_KEPT:
+        _MASKS.popitem(last=False)
+    return bm
 
 
 # ----------------------------------------------------------------------------------------------------- forward

@@ -131,6 +131,16 @@ def test_same_mods_reuse_one_registry_entry():
     assert _ops.register_mods(None, causal) != _ops.register_mods(None, lambda b, h, qi, kv: qi >= kv)
 
 
+def test_rebuilt_block_mask_is_reused_for_the_same_tensors():
+    bm = flexlab.create_block_mask(lambda b, h, qi, kv: qi >= kv, 1, 1, 256, 256, BLOCK_SIZE=128)
+    tensors = [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices]
+    first = _ops.rebuild_block_mask(tensors, [128, 128], bm.mask_mod, 256, 256)
+    assert _ops.rebuild_block_mask(tensors, [128, 128], bm.mask_mod, 256, 256) is first
+    tensors[0].add_(0)  # an in-place edit bumps the version: the mask must be rebuilt
+    assert _ops.rebuild_block_mask(tensors, [128, 128], bm.mask_mod, 256, 256) is not first
+    assert _ops.rebuild_block_mask([], [], None, 256, 256) is None
+
+
 def test_backward_support_is_decided_without_a_gpu():
     from flexlab.autograd import backward_unsupported_reason
     q = torch.empty(1, 2, 256, 128, dtype=torch.bfloat16)
