@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -109,6 +110,24 @@ def q_direction_tensors(block_mask: list, block_size: list, cfg: BwdConfig, seql
     return num, idx, fnum, fidx
 
 
+_Q_LISTS: "OrderedDict[tuple, tuple]" = OrderedDict()
+
+
+def _cached_q_direction(block_mask: list, block_size: list, cfg: BwdConfig, seqlen_k: int) -> tuple:
+    """`q_direction_tensors`, computed once per mask (entries hold the mask tensors, so their addresses stay theirs;
+    the version counters catch in-place edits)."""
+    key = (tuple((t.data_ptr(), t._version, tuple(t.shape)) if t is not None else None for t in block_mask[4:8]),
+           tuple(block_size), cfg.tile_m, cfg.tile_n, seqlen_k)
+    hit = _Q_LISTS.get(key)
+    if hit is None:
+        hit = (q_direction_tensors(block_mask, block_size, cfg, seqlen_k), tuple(block_mask[4:8]))
+        _Q_LISTS[key] = hit
+        while len(_Q_LISTS) > 16:
+            _Q_LISTS.popitem(last=False)
+    _Q_LISTS.move_to_end(key)
+    return hit[0]
+
+
 def visit_ranks(sparse: tuple, num_m_tiles: int) -> torch.Tensor:
     """(Bm, Hm, KV tiles, Q tiles) int32: for each KV tile visiting a Q tile, how many lower KV tiles visit it too.
 
@@ -155,7 +174,7 @@ def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, bloc
     sparse = None
     pad = cfg.tile_m
     if block_mask:
-        sparse = q_direction_tensors(block_mask, block_size, cfg, Skv)
+        sparse = _cached_q_direction(block_mask, block_size, cfg, Skv)
         pad = math.lcm(cfg.tile_m, int(block_size[0]))  # listed Q tiles may run past Sq up to a mask block
     sq_pad = -(-Sq // pad) * pad
     dev = q.device
