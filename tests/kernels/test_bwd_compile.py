@@ -177,6 +177,19 @@ def test_q_direction_lists_match_block_states():
             assert full == [m for m in range(n_m) if states[0, h, m // ratio, n] == BLOCK_FULL]
 
 
+def test_q_direction_lists_are_cached_per_mask():
+    import flexlab
+    from flexlab.kernels.bwd_config import default_bwd_config
+    from flexlab.kernels.bwd_launch import _cached_q_direction
+    bm = flexlab.create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, 512, 512, BLOCK_SIZE=128)
+    tensors = [None] * 4 + [bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices]
+    cfg = default_bwd_config(64)
+    first = _cached_q_direction(tensors, [128, 128], cfg, 512)
+    assert _cached_q_direction(tensors, [128, 128], cfg, 512) is first
+    bm.q_indices.add_(0)
+    assert _cached_q_direction(tensors, [128, 128], cfg, 512) is not first
+
+
 def test_mask_block_size_must_fit_the_backward_tiles():
     from flexlab.errors import BackendUnavailableError
     from flexlab.kernels.bwd_config import default_bwd_config
