@@ -185,6 +185,10 @@ def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, bloc
 
     dtype = _DTYPES[q.dtype]
     kernel_aux = list(g.kernel_aux_tensors()) if g is not None else []
+    for name, t in zip(g.aux_tensor_names if g is not None else (), kernel_aux):
+        if t.device != dev:
+            raise BackendUnavailableError(f"captured tensor '{name}' is on {t.device} but the inputs are on {dev}; "
+                                          f"move it with .to({str(dev)!r}) before building the mods")
     grads = [torch.zeros(kernel_aux[i].shape, dtype=torch.float32, device=dev) for i in entry.grad_slots]
     key = BwdKey(g.hash if g is not None else "", bool(g is not None and g.has_score_mod),
                  bool(g is not None and g.has_mask_mod and sparse is not None), has_aux_grad,
