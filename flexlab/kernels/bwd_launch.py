@@ -216,4 +216,4 @@ def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, bloc
          _to_cute(rank) if rank is not None else None, stream)
     post(_to_cute(dq_accum, 16), _to_cute(dq, 16), scale, stream)
     # The kernel sees a 0-d captured tensor as (1,); hand the gradient back in the captured tensor's own shape.
-    return dq, dk, dv, [g.view(aux_tensors[slot].shape) for g, slot in zip(grads, entry.grad_slots)]
+    return dq, dk, dv, [grad.view(aux_tensors[slot].shape) for grad, slot in zip(grads, entry.grad_slots)]
