@@ -43,8 +43,7 @@ class ModEntry:
         """Generate again when something the mods capture changed (a new window size, a rebound tensor)."""
         if self.score_mod is None and self.mask_mod is None:
             return
-        from .backends.cute import _captured_state
-        state = (_captured_state(self.score_mod), _captured_state(self.mask_mod))
+        state = (_rebinding_state(self.score_mod), _rebinding_state(self.mask_mod))
         if self.generated is not None and state == self._state:
             return
         from .codegen import generate
@@ -54,6 +53,24 @@ class ModEntry:
         self.aux_tensors = list(g.aux_tensors)
         self.aux_scalars = [float(v) for v in g.aux_scalars]
         self.grad_slots = [i for i, rg in enumerate(g.aux_requires_grad) if rg]
+
+
+def _rebinding_state(fn) -> tuple:
+    """What must not change for the generated code to stay valid: captured numbers by value, everything else
+    (tensors included) by identity. In-place updates of a captured tensor (an optimizer step on a learnable bias)
+    do not count: the kernels read captured tensors at run time."""
+    if fn is None:
+        return ()
+    values = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    code, glb = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
+    if code is not None:
+        values += [glb[n] for n in code.co_names if n in glb]
+    return tuple(v if isinstance(v, (bool, int, float, str)) else id(v) for v in values)
 
 
 _ENTRIES: dict[str, ModEntry] = {}

@@ -131,6 +131,23 @@ def test_same_mods_reuse_one_registry_entry():
     assert _ops.register_mods(None, causal) != _ops.register_mods(None, lambda b, h, qi, kv: qi >= kv)
 
 
+def test_optimizer_steps_do_not_regenerate_but_new_scalars_do():
+    bias = torch.randn(2, 9, requires_grad=True)
+    window = 3
+
+    def rel_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h, torch.clamp(kv_idx - q_idx, -window, window) + 4]
+
+    key = _ops.register_mods(rel_bias, None)
+    generated = _ops.mod_entry(key).generated
+    with torch.no_grad():
+        bias.add_(1.0)  # what an optimizer step does
+    assert _ops.mod_entry(_ops.register_mods(rel_bias, None)).generated is generated
+    window = 4  # noqa: F841  (read by rel_bias through its closure)
+    entry = _ops.mod_entry(_ops.register_mods(rel_bias, None))
+    assert entry.generated is not generated and 4.0 in entry.aux_scalars
+
+
 def test_rebuilt_block_mask_is_reused_for_the_same_tensors():
     bm = flexlab.create_block_mask(lambda b, h, qi, kv: qi >= kv, 1, 1, 256, 256, BLOCK_SIZE=128)
     tensors = [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices]
