@@ -36,6 +36,7 @@ class BwdKey:
     block_sparse: bool
     deterministic: bool = False
     arch: str = "sm_90a"
+    fixed_point_aux_grads: bool = False  # int64 fixed-point captured-tensor grads (deterministic mode)
 
 
 _COMPILED: dict = {}
@@ -85,7 +86,7 @@ def compile_main(key: BwdKey, module=None, options: str = ""):
                          module.mask_mod if key.has_mask_mod else None, has_aux_tensors=bool(key.aux_tensor_specs),
                          deterministic=key.deterministic)
     args = fake_arguments(key.config, dt, key.block_sparse, key.aux_tensor_specs, key.aux_scalar_kinds,
-                          key.aux_grad_ranks, key.deterministic)
+                          key.aux_grad_ranks, key.deterministic, key.fixed_point_aux_grads)
     return cute.compile(kernel, *args, options=f"--gpu-arch {key.arch}{options}")
 
 
@@ -165,10 +166,12 @@ def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, bloc
         raise BackendUnavailableError(f"backend='cute' backward: {e}") from None
     g = entry.generated
     has_aux_grad = bool(entry.grad_slots) and g is not None and g.has_score_mod  # a mask has no gradient
-    if deterministic and has_aux_grad:
+    fixed_point = bool(deterministic and has_aux_grad)
+    if fixed_point and "add_aux_grad" not in g.source:
         raise BackendUnavailableError(
-            "deterministic=True with captured tensors that require grad is not implemented in the cute backward yet "
-            "(their gradients are reduced with atomics); use backend='reference' or turn determinism off")
+            "deterministic=True with captured tensors that require grad needs generated code that accumulates through "
+            "flexlab.kernels.bwd_aux_grad.add_aux_grad (this code generator emits plain fp32 atomics); use "
+            "backend='reference' or turn determinism off")
     q, k, v, dout = (tma_ready(t) for t in (q, k, v, dout))
     out = out.contiguous()
     sparse = None
@@ -189,12 +192,14 @@ def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, bloc
         if t.device != dev:
             raise BackendUnavailableError(f"captured tensor '{name}' is on {t.device} but the inputs are on {dev}; "
                                           f"move it with .to({str(dev)!r}) before building the mods")
-    grads = [torch.zeros(kernel_aux[i].shape, dtype=torch.float32, device=dev) for i in entry.grad_slots]
+    grad_dtype = torch.int64 if fixed_point else torch.float32
+    grads = [torch.zeros(kernel_aux[i].shape, dtype=grad_dtype, device=dev) for i in entry.grad_slots]
     key = BwdKey(g.hash if g is not None else "", bool(g is not None and g.has_score_mod),
                  bool(g is not None and g.has_mask_mod and sparse is not None), has_aux_grad,
                  tuple((str(t.dtype).removeprefix("torch."), t.dim()) for t in kernel_aux),
                  tuple("float" if kind == "float" else "int" for kind in (g.aux_scalar_kinds if g else ())),
-                 tuple(t.dim() for t in grads), dtype, cfg, sparse is not None, bool(deterministic), arch)
+                 tuple(t.dim() for t in grads), dtype, cfg, sparse is not None, bool(deterministic), arch,
+                 fixed_point)
     pre = _compiled(("pre", dtype, D, dlse is not None, arch), lambda: compile_preprocess(dtype, D, dlse is not None,
                                                                                           arch))
     main = _compiled(key, lambda: compile_main(key, g.module() if g is not None else None))
@@ -212,8 +217,11 @@ def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, bloc
     main(_to_cute(q, 16), _to_cute(k, 16), _to_cute(v, 16), _to_cute(dout, 16), _to_cute(lse2), _to_cute(dpsum),
          _to_cute(dq_accum, 16), _to_cute(dk, 16), _to_cute(dv, 16), scale, Hq // Hkv,
          tuple(_to_cute(t) for t in sparse) if sparse else None, tuple(_to_cute(t) for t in kernel_aux), scalars,
-         tuple(_to_cute(t) for t in grads), _to_cute(sem) if sem is not None else None,
+         tuple(_to_cute(t, 8 if fixed_point else 4) for t in grads), _to_cute(sem) if sem is not None else None,
          _to_cute(rank) if rank is not None else None, stream)
     post(_to_cute(dq_accum, 16), _to_cute(dq, 16), scale, stream)
+    if fixed_point:
+        from .bwd_aux_grad import from_fixed_point
+        grads = [from_fixed_point(b) for b in grads]
     # The kernel sees a 0-d captured tensor as (1,); hand the gradient back in the captured tensor's own shape.
     return dq, dk, dv, [grad.view(aux_tensors[slot].shape) for grad, slot in zip(grads, entry.grad_slots)]

@@ -22,8 +22,8 @@ Deterministic mode: dK/dV are already run-to-run identical (one CTA, fixed order
 tiles, so their order is fixed: before its TMA reduce-add into Q tile m, a warpgroup waits (acquire) until a
 semaphore for (batch, head, m, half) equals the number of lower KV tiles that visit m (n_block when dense, a host-built
 rank table with a block mask), and releases it once the reduce has landed. CTAs are launched KV-tile-slowest, so a
-CTA only ever waits for CTAs launched before it. Captured-tensor gradients still use fp32 atomics; the launcher
-refuses deterministic=True for them.
+CTA only ever waits for CTAs launched before it. Captured-tensor gradients are accumulated through
+`bwd_aux_grad.add_aux_grad`, which turns them into exact int64 fixed-point atomics in deterministic mode.
 """
 from __future__ import annotations
 
@@ -474,10 +474,11 @@ class FlexBwdSm90:
 
 
 def fake_arguments(cfg: BwdConfig, dtype, block_sparse: bool = False, aux_tensor_specs=(), aux_scalar_kinds=(),
-                   aux_grad_ranks=(), deterministic: bool = False):
+                   aux_grad_ranks=(), deterministic: bool = False, fixed_point_aux_grads: bool = False):
     """Symbolic-shape stand-ins for every runtime argument (compile without a GPU, or once for all shapes).
 
-    `aux_grad_ranks`: rank of each fp32 gradient buffer (the rank of the captured tensor it belongs to)."""
+    `aux_grad_ranks`: rank of each gradient buffer (the rank of the captured tensor it belongs to); the buffers are
+    fp32, or int64 fixed point (`bwd_aux_grad`) with `fixed_point_aux_grads`."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
     hd = cfg.head_dim
@@ -505,8 +506,9 @@ def fake_arguments(cfg: BwdConfig, dtype, block_sparse: bool = False, aux_tensor
                                          tuple(cute.sym_int64() for _ in range(ndim)))
                         for name, ndim in aux_tensor_specs)
     aux_scalars = tuple(Int32(0) if kind == "int" else Float32(0.0) for kind in aux_scalar_kinds)
-    aux_grads = tuple(make_fake_compact_tensor(Float32, tuple(sym() for _ in range(rank)),
-                                               stride_order=tuple(range(rank - 1, -1, -1)), assumed_align=4)
+    grad_dtype, grad_align = (Int64, 8) if fixed_point_aux_grads else (Float32, 4)
+    aux_grads = tuple(make_fake_compact_tensor(grad_dtype, tuple(sym() for _ in range(rank)),
+                                               stride_order=tuple(range(rank - 1, -1, -1)), assumed_align=grad_align)
                       for rank in aux_grad_ranks)
     sem = compact(Int32, (sym(), sym(), sym(), cfg.num_consumer_wgs)) if deterministic else None
     rank = compact(Int32, (sym(), sym(), sym(), sym())) if deterministic and block_sparse else None

@@ -122,6 +122,49 @@ def test_visit_ranks_count_lower_kv_tiles():
     assert rank[0, 0, 1, 3] == 0 and rank[0, 0, 2, 3] == 1
 
 
+def test_deterministic_captured_grads_compile_to_integer_atomics():
+    """A per-head learnable bias whose gradient goes through add_aux_grad: int64 buffers give integer atomics."""
+    import types
+
+    import cutlass.cute as cute
+    from cutlass import Float32
+    from flexlab.kernels.bwd_aux_grad import add_aux_grad
+    from flexlab.kernels.bwd_config import default_bwd_config
+    from flexlab.kernels.bwd_launch import BwdKey, compile_main
+
+    @cute.jit
+    def score_mod(score, b, h, q_idx, kv_idx, aux_tensors, aux_scalars):
+        return score + aux_tensors[0][h].to(Float32)
+
+    @cute.jit
+    def score_mod_bwd(grad, score, b, h, q_idx, kv_idx, aux_tensors, aux_scalars):
+        return grad
+
+    @cute.jit
+    def score_mod_aux_grad(grad, score, b, h, q_idx, kv_idx, aux_tensors, aux_scalars, aux_grads):
+        if grad != Float32(0.0):
+            add_aux_grad(aux_grads[0], (h,), grad)
+
+    module = types.SimpleNamespace(score_mod=score_mod, score_mod_bwd=score_mod_bwd,
+                                   score_mod_aux_grad=score_mod_aux_grad, mask_mod=None)
+    for fixed_point in (False, True):
+        key = BwdKey("head-bias", True, False, True, (("float32", 1),), (), (1,), "bfloat16", default_bwd_config(64),
+                     False, fixed_point, "sm_90a", fixed_point)
+        ptx, report = _assemble(compile_main(key, module, options=" --keep-ptx"))
+        _no_spills(report)
+        assert ("atom.global.add.u64" in ptx) == fixed_point
+        assert ("atom.global.add.f32" in ptx) != fixed_point
+
+
+def test_fixed_point_sums_are_order_independent_and_convert_back():
+    from flexlab.kernels.bwd_aux_grad import FIXED_POINT_BITS, from_fixed_point
+    values = torch.randn(1000, dtype=torch.float64) * 3
+    fixed = (values.float().double() * 2 ** FIXED_POINT_BITS).to(torch.int64)  # what each atomic adds
+    forward, backward = fixed.sum(), fixed.flip(0).sum()
+    assert forward == backward  # integer addition: any order, same bits
+    assert abs(from_fixed_point(forward.reshape(1)).item() - values.float().sum().item()) < 1e-3
+
+
 def _learnable_bias_mods():
     from flexlab.codegen import generate
     bias = torch.randn(4, 129, requires_grad=True)
