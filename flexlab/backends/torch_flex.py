@@ -8,6 +8,7 @@ what to do.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 
@@ -39,6 +40,49 @@ def _is_recompile_limit_error(err: Exception) -> bool:
     return "recompile" in text and "limit" in text or "cache_size_limit" in text or "cache size limit" in text
 
 
+# Smaller Triton tiles (forward and backward) for mods whose captured tensors push torch's default configs past the
+# 227 KiB of shared memory a Hopper SM has ("No valid triton configs ... out of resource").
+SMALL_TILE_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64, "num_stages": 1,
+                      "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64, "BLOCK_N2": 32}
+
+
+def _is_out_of_resources(err: Exception) -> bool:
+    text = str(err)
+    return "No valid triton configs" in text or "out of resource" in text
+
+
+def _defaults_as_closure(mod, n_args: int):
+    """The same mod with its default-argument values moved into closure cells.
+
+    dynamo guards a mod's closure cells but not its `__defaults__`, so `lambda score, ..., w=w: ...` redefined with a
+    new `w` silently reuses the graph compiled for the old one. Calling the original with every argument explicit,
+    from a closure that holds the values, makes a new value a guarded change (a recompile, not a stale result).
+    """
+    defaults = getattr(mod, "__defaults__", None)
+    if not defaults or getattr(mod, "__kwdefaults__", None):
+        return mod
+    values = tuple(defaults)
+    if n_args == 5:
+        def with_captured_defaults(score, b, h, q_idx, kv_idx):
+            return mod(score, b, h, q_idx, kv_idx, *values)
+    else:
+        def with_captured_defaults(b, h, q_idx, kv_idx):
+            return mod(b, h, q_idx, kv_idx, *values)
+    with_captured_defaults.__name__ = getattr(mod, "__name__", "mod")
+    return with_captured_defaults if mod.__code__.co_argcount == n_args + len(values) else mod
+
+
+def _guardable(score_mod, block_mask):
+    if score_mod is not None and hasattr(score_mod, "__code__"):
+        score_mod = _defaults_as_closure(score_mod, 5)
+    if block_mask is not None and hasattr(block_mask.mask_mod, "__code__"):
+        fixed = _defaults_as_closure(block_mask.mask_mod, 4)
+        if fixed is not block_mask.mask_mod:
+            block_mask = copy.copy(block_mask)
+            block_mask.mask_mod = fixed
+    return score_mod, block_mask
+
+
 def _unpack(result):
     out, aux = result
     return out, (aux.lse if hasattr(aux, "lse") else aux)
@@ -56,9 +100,17 @@ def torch_flex_attention(query, key, value, score_mod=None, block_mask=None, sca
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
             return _unpack(torch_flex.flex_attention(query, key, value, **kwargs))
+    kwargs["score_mod"], kwargs["block_mask"] = _guardable(score_mod, block_mask)
     try:
         with _dynamo_config_patch():
-            return _unpack(_compiled_flex()(query, key, value, **kwargs))
+            try:
+                return _unpack(_compiled_flex()(query, key, value, **kwargs))
+            except Exception as err:
+                if not _is_out_of_resources(err):
+                    raise
+                warnings.warn("backend='torch': torch's default Triton tiles for this mod need more shared memory "
+                              f"than the GPU has; retrying with kernel_options={SMALL_TILE_OPTIONS}", stacklevel=3)
+                return _unpack(_compiled_flex()(query, key, value, kernel_options=SMALL_TILE_OPTIONS, **kwargs))
     except Exception as err:  # dynamo wraps the limit error in several types across versions
         if _is_recompile_limit_error(err):
             raise RecompileLimitError(
