@@ -147,7 +147,8 @@ def visit_ranks(sparse: tuple, num_m_tiles: int) -> torch.Tensor:
 def _to_cute(t: torch.Tensor, align: int = 4):
     """A cute tensor view with dynamic shapes/strides (unit stride on the last mode), as the kernels were compiled."""
     from cutlass.cute.runtime import from_dlpack
-    return from_dlpack(t, assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
+    # detach: saved forward outputs reach the backward still attached to the graph, and DLPack refuses those
+    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
 
 def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, block_size, scale: float,
