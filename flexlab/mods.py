@@ -41,30 +41,27 @@ def mod_name(fn: Callable) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
 
 
+def _check_mod(fn, arg: str, n_args: int, signature: str, returns: str, other_hint: str) -> None:
+    if fn is None:
+        return
+    if not callable(fn):
+        raise FlexlabTypeError(f"{arg} must be a callable {signature} -> {returns}, got {type(fn).__name__}")
+    n = _positional_arity(fn)
+    if n is not None and n != n_args:
+        hint = other_hint if n == 9 - n_args else ""  # 4 <-> 5: the other kind of mod
+        raise FlexlabTypeError(f"{arg} {mod_name(fn)!r} takes {n} positional argument(s); a "
+                               f"{arg.split('.')[-1]} takes {n_args}: {signature}{hint}")
+
+
 def check_score_mod(score_mod, arg: str = "score_mod") -> None:
     """Raise a TypeError naming the function if it cannot be a score_mod."""
-    if score_mod is None:
-        return
-    if not callable(score_mod):
-        raise FlexlabTypeError(f"{arg} must be a callable {_SCORE_ARGS} -> Tensor, got {type(score_mod).__name__}")
-    n = _positional_arity(score_mod)
-    if n is not None and n != 5:
-        hint = " (that looks like a mask_mod: pass it through create_block_mask(...) as block_mask=)" if n == 4 else ""
-        raise FlexlabTypeError(
-            f"{arg} {mod_name(score_mod)!r} takes {n} positional argument(s); a score_mod takes 5: {_SCORE_ARGS}{hint}")
+    _check_mod(score_mod, arg, 5, _SCORE_ARGS, "Tensor",
+               " (that looks like a mask_mod: pass it through create_block_mask(...) as block_mask=)")
 
 
 def check_mask_mod(mask_mod, arg: str = "mask_mod") -> None:
     """Raise a TypeError naming the function if it cannot be a mask_mod."""
-    if mask_mod is None:
-        return
-    if not callable(mask_mod):
-        raise FlexlabTypeError(f"{arg} must be a callable {_MASK_ARGS} -> bool Tensor, got {type(mask_mod).__name__}")
-    n = _positional_arity(mask_mod)
-    if n is not None and n != 4:
-        hint = " (that looks like a score_mod: pass it as score_mod=)" if n == 5 else ""
-        raise FlexlabTypeError(
-            f"{arg} {mod_name(mask_mod)!r} takes {n} positional argument(s); a mask_mod takes 4: {_MASK_ARGS}{hint}")
+    _check_mod(mask_mod, arg, 4, _MASK_ARGS, "bool Tensor", " (that looks like a score_mod: pass it as score_mod=)")
 
 
 def _vmap_bhqkv(fn: Callable, leading: tuple) -> Callable:

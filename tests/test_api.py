@@ -132,3 +132,15 @@ def test_return_lse_shapes_and_types():
     res = flexlab.flex_attention(q, k, v, return_lse=True, backend="reference")
     assert isinstance(res, tuple) and res[1].shape == (2, 2, 33) and res[1].dtype == torch.float32
     assert isinstance(flexlab.flex_attention(q, k, v, backend="reference"), torch.Tensor)
+
+
+def test_torch_backend_cpu_lse_is_natural_log():
+    q, k, v = random_qkv(1, 2, 100, 120, 16)
+
+    def drift(score, b, h, q_idx, kv_idx):
+        return score + 0.01 * (q_idx - kv_idx)
+
+    out, lse = flexlab.flex_attention(q, k, v, drift, return_lse=True, backend="torch")
+    truth, truth_lse = reference(q, k, v, drift)
+    assert rel_l2(out, truth) < TOLERANCES[torch.float32]
+    assert torch.allclose(lse.double(), truth_lse, atol=1e-5)

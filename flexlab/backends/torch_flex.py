@@ -88,6 +88,19 @@ def _unpack(result):
     return out, (aux.lse if hasattr(aux, "lse") else aux)
 
 
+def _cpu_flex_attention(query, key, value, **kwargs):
+    """torch's CPU path: its unfused math, run directly. (Without the flag torch first traces every new mod with
+    dynamo, about a second per closure, only to run the same math; we never take torch's CPU backward.)"""
+    previous = getattr(torch_flex, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", False)
+    torch_flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = True
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            return torch_flex.flex_attention(query, key, value, **kwargs)
+    finally:
+        torch_flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = previous
+
+
 def torch_flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False):
     """Returns (out, lse) from torch's flex_attention (natural-log LSE, fp32)."""
     kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
@@ -96,10 +109,7 @@ def torch_flex_attention(query, key, value, score_mod=None, block_mask=None, sca
     else:
         kwargs["return_lse"] = True
     if query.device.type != "cuda":
-        # torch's CPU path is its unfused math; warning about it on every call would only be noise here.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            return _unpack(torch_flex.flex_attention(query, key, value, **kwargs))
+        return _unpack(_cpu_flex_attention(query, key, value, **kwargs))
     kwargs["score_mod"], kwargs["block_mask"] = _guardable(score_mod, block_mask)
     try:
         with _dynamo_config_patch():
