@@ -287,7 +287,10 @@ class FlexBwdSm90:
 
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         kv_start = n_block * self.tile_n
-        issuer = (tidx % 128) == 0  # the thread that issues this warpgroup's dQ reduce
+        # The first warp of each warpgroup issues its dQ reduce. A whole warp, not one thread: the TMA reduce copy
+        # elects its issuing lane with `elect.sync` over the full warp, which never completes if only one lane
+        # reaches it. Derived from the (warp-uniform) warp index so the branch stays convergent.
+        issuer = warp_idx % 4 == 0
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
@@ -398,13 +401,18 @@ class FlexBwdSm90:
         if issuer:
             if cutlass.const_expr(self.deterministic):
                 self.wait_dq_turn(order, batch, head, m_block, wg)
-            cute.copy(tma_dq, tdQs, tdQg[None, m_block])
+                cute.arch.sync_warp()  # every lane has seen the turn before the warp-collective copy
+            cute.copy(tma_dq, tdQs, tdQg[None, m_block])  # elects one lane of the warp itself
+            # Every lane commits and waits on its own bulk group (empty for the lanes that issued nothing), so the
+            # lane the copy elected is always covered without knowing which one it was.
             cute.arch.cp_async_bulk_commit_group()
             if cutlass.const_expr(self.deterministic):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)  # the reduce has landed in global memory
-                mdQsem = order[0]
-                sem = mdQsem.iterator + cute.crd2idx((batch, head, m_block, wg), mdQsem.layout)
-                cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
+                cute.arch.sync_warp()
+                if cute.arch.lane_idx() == 0:
+                    mdQsem = order[0]
+                    sem = mdQsem.iterator + cute.crd2idx((batch, head, m_block, wg), mdQsem.layout)
+                    cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
 
     @cute.jit
     def wait_dq_turn(self, order, batch: Int32, head: Int32, m_block: Int32, wg: Int32):
