@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 from typing import Callable
 
 import torch
@@ -22,8 +23,26 @@ _SCORE_ARGS = "(score, b, h, q_idx, kv_idx)"
 _MASK_ARGS = "(b, h, q_idx, kv_idx)"
 
 
+_ARITY: "weakref.WeakKeyDictionary[Callable, int | None]" = weakref.WeakKeyDictionary()
+
+
 def _positional_arity(fn: Callable) -> int | None:
-    """Number of required positional parameters, or None when it can't be told (C functions, *args)."""
+    """Number of required positional parameters, or None when it can't be told (C functions, *args).
+
+    Cached per function object: `inspect.signature` costs tens of microseconds, and this runs on every call."""
+    try:
+        return _ARITY[fn]
+    except (KeyError, TypeError):
+        pass
+    n = _signature_arity(fn)
+    try:
+        _ARITY[fn] = n
+    except TypeError:  # not weak-referenceable
+        pass
+    return n
+
+
+def _signature_arity(fn: Callable) -> int | None:
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):
