@@ -69,6 +69,16 @@ class BwdBarrier(enum.IntEnum):
     DQ_READY_WG2 = 4
 
 
+def dq_issuer():
+    """True in the first warp of each consumer warpgroup, which issues that warpgroup's dQ reduce.
+
+    A whole warp, not one thread: the TMA reduce copy elects its issuing lane with `elect.sync` over the full warp,
+    which never completes when only one lane reaches it. Recomputed from the warp index (warp-uniform, so the branch
+    stays convergent: it tests only bits 5 and 6 of the thread index) at each use rather than kept live through the
+    main loop; at D=128 with a block mask even that one register made the consumers spill."""
+    return (cute.arch.thread_idx()[0] % 128) < 32
+
+
 class FlexBwdSm90:
     """Compile-time configuration of one backward kernel: tiles, dtype, and the inlined generated mods."""
 
@@ -287,10 +297,6 @@ class FlexBwdSm90:
 
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         kv_start = n_block * self.tile_n
-        # The first warp of each warpgroup issues its dQ reduce. A whole warp, not one thread: the TMA reduce copy
-        # elects its issuing lane with `elect.sync` over the full warp, which never completes if only one lane
-        # reaches it. Derived from the (warp-uniform) warp index so the branch stays convergent.
-        issuer = warp_idx % 4 == 0
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
@@ -308,10 +314,10 @@ class FlexBwdSm90:
                 self.step(sched.block(i), i < sched.num_partial, state, ds_index, tSrK, tSrQ, tPrV, tPrdO, tVrdOt,
                           tKrQt, tVrP, st_ds, thr_st_ds, tQrdS, tQrKt, acc_dK, acc_dV, s_shape, dq_shape, coords,
                           tdSsdS, tdQsdQ, tdQs, tdQg, tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_qdo,
-                          mLSE2, mDpsum, kv_start, seqlen_k, log2_scale, mods, wg, issuer)
+                          mLSE2, mDpsum, kv_start, seqlen_k, log2_scale, mods, wg)
                 state.advance()
                 ds_index = 1 - ds_index
-        if issuer:
+        if dq_issuer():
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last dQ reduce has read shared memory
         self.epilogue(acc_dK, acc_dV, softmax_scale, mdK, mdV, storage, sKV_layout, tma_dk, tma_dv,
                       tiled_mma_dkv, tidx, warp_idx, n_block, head_kv, batch)
@@ -320,7 +326,7 @@ class FlexBwdSm90:
     def step(self, m_block: Int32, partial, state, ds_index: Int32, tSrK, tSrQ, tPrV, tPrdO, tVrdOt, tKrQt, tVrP,
              st_ds, thr_st_ds, tQrdS, tQrKt, acc_dK, acc_dV, s_shape, dq_shape, coords, tdSsdS, tdQsdQ, tdQs, tdQg,
              tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_qdo, mLSE2, mDpsum, kv_start: Int32,
-             seqlen_k: Int32, log2_scale: Float32, mods, wg: Int32, issuer):
+             seqlen_k: Int32, log2_scale: Float32, mods, wg: Int32):
         """One query tile against this CTA's keys: S^T, dP^T, P, dS, then dV, dK, and this tile's dQ partial.
 
         `partial`: the block mask lists this tile as partial, so mask_mod applies (a runtime branch, which keeps
@@ -386,7 +392,7 @@ class FlexBwdSm90:
         if cutlass.const_expr(not self.lean):
             wgmma(tiled_mma_dkv, acc_dV, tVrP, tVrdOt[None, None, None, state.index], False, -1)
         wgmma(tiled_mma_dkv, acc_dK, as_operand_a(rdS), tKrQt[None, None, None, state.index], False, -1)
-        if issuer:
+        if dq_issuer():
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous dQ reduce is done with sdQ
         cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY), number_of_threads=self.num_consumer_threads)
         acc_dQ = cute.make_rmem_tensor(dq_shape, Float32)
@@ -398,7 +404,7 @@ class FlexBwdSm90:
             mine[i] = acc_dQ[i]
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_READY_WG1) + wg, number_of_threads=128)
-        if issuer:
+        if dq_issuer():
             if cutlass.const_expr(self.deterministic):
                 self.wait_dq_turn(order, batch, head, m_block, wg)
                 cute.arch.sync_warp()  # every lane has seen the turn before the warp-collective copy

@@ -62,6 +62,20 @@ def _split(stmt: str):
 def lane_varying(statements: list[str]) -> set[str]:
     """Registers whose value may differ between the lanes of one warp (fixed point over loops)."""
     varying = {"%tid.x", "%tid.y", "%tid.z", "%laneid"}
+    # Copies of %tid.x: masking away its low 5 bits (and with a multiple of 32) or shifting them out leaves the
+    # warp index, the same in every lane (blocks are whole warps along x).
+    tid_copies = {"%tid.x"} | {d for st in statements if re.match(r"mov\.u32\s+%r\d+,\s*%tid\.x;", st)
+                               for d in _split(st)[2]}
+
+    def warp_uniform(op, stmt, src):
+        if len(src) != 1 or src[0] not in tid_copies:
+            return False
+        imm = re.search(r",\s*(\d+);$", stmt)
+        if imm is None:
+            return False
+        k = int(imm.group(1))
+        return (op.startswith("and.b32") and k % 32 == 0) or (op.startswith("shr.u32") and k >= 5)
+
     changed = True
     while changed:
         changed = False
@@ -75,6 +89,8 @@ def lane_varying(statements: list[str]) -> set[str]:
                 new = [d for d in dst if d.startswith("%p")]  # true in one lane only
             elif op.startswith("shfl.sync.idx") and re.search(r",\s*\d+\s*,\s*31\s*,\s*-1\s*;$", stmt):
                 new = []  # broadcast from a fixed lane: the same value in every lane
+            elif warp_uniform(op, stmt, src):
+                new = []
             elif any(s in varying for s in src):
                 new = dst
             else:
@@ -226,6 +242,17 @@ def test_divergence_check_flags_a_one_lane_elect():
     """
     bad = divergent_collectives(ptx)
     assert len(bad) == 1 and "%r3|%p2" in bad[0], bad
+    warp_test = """
+    mov.u32 %r1, %tid.x;
+    and.b32 %r2, %r1, 96;
+    setp.ne.b32 %p1, %r2, 0;
+    @%p1 bra $L__BB0_9;
+    elect.sync %r3|%p2, -1;
+    $L__BB0_9:
+    ret;
+    """
+    assert divergent_collectives(warp_test) == []  # bits 5-6 of tid.x: the warp's position in its warpgroup
+    assert len(divergent_collectives(warp_test.replace("96", "112"))) == 1  # bit 4 differs inside a warp
 
 
 @pytest.mark.parametrize("D", [64, 128])
