@@ -13,7 +13,6 @@ varying. The forward kernel, which runs correctly on the H200, must pass the sam
 from __future__ import annotations
 
 import re
-import shutil
 import warnings
 
 import pytest
@@ -296,3 +295,18 @@ def test_backward_synchronisation_matches_the_config(D, block_sparse, determinis
         else:
             assert (i, n) in allowed, (i, n)
     assert len(re.findall(r"\bbar\.sync\s+0;", ptx)) == 1  # only the CTA sync before the role split
+
+
+def test_triage_script_reports_a_hang_instead_of_going_silent(tmp_path):
+    """The GPU triage script's watchdog: a case that never finishes becomes a `timeout` record, the rest is kept."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).with_name("bwd_triage.py")
+    out = tmp_path / "triage.json"
+    res = subprocess.run([sys.executable, str(script), "--out", str(out), "--groups", "selftest-hang",
+                          "--case-timeout", "3"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1, res.stdout + res.stderr
+    records = {r["name"]: r["status"] for r in json.loads(out.read_text())}
+    assert records["finishes"] == "ok" and records["never finishes"] == "timeout", records
