@@ -57,11 +57,18 @@ def _rel(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def _grad_error(a, b) -> float:
+    """rel-L2 with the reference norm floored at an RMS of 1e-2 per element (as in test_bwd_gpu.grad_error): a
+    query row that sees a single key has P = 1 and an exactly zero dS, where both sides are rounding noise."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / max(float(b.norm()), 1e-2 * b.numel() ** 0.5))
+
+
 def _errors(names, ours, ref) -> tuple[dict, bool, bool]:
     errs, nan = {}, False
     for n, a, b in zip(names, ours, ref):
         nan |= bool(a.isnan().any() or a.isinf().any())
-        errs[n] = _rel(a, b)
+        errs[n] = _grad_error(a, b)
     ok = not nan and all(e < GRAD_TOL for e in errs.values())  # a NaN error compares False: not ok
     return errs, nan, ok
 

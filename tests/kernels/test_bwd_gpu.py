@@ -19,6 +19,15 @@ from flexlab.testing import random_qkv, reference, rel_l2  # noqa: E402
 GRAD_TOL = 2e-2  # rel-L2 of dQ, dK, dV and captured-tensor grads vs float64, bf16 inputs
 
 
+def grad_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """rel-L2, with the reference's norm floored at an RMS of 1e-2 per element: where the exact gradient is zero
+    (one query row that sees one key has P = 1, so dS = 0) both sides are rounding noise, and noise over noise is no
+    measure. Random-input gradients are far above the floor, so elsewhere this is plain rel-L2."""
+    a, b = actual.double(), expected.double()
+    floor = 1e-2 * b.numel() ** 0.5
+    return float((a - b).norm() / max(float(b.norm()), floor))
+
+
 def _hopper():
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
@@ -73,7 +82,8 @@ def test_awkward_lengths_dense(Sq, Skv, D):
     dout = torch.randn(1, 2, Sq, D, device="cuda", dtype=torch.bfloat16)
     for n, a, b in zip(("dq", "dk", "dv"), _backward(q, k, v, None, None, [], dout, False),
                        _reference_grads(q, k, v, None, None, [], dout, False)):
-        assert rel_l2(a, b) < GRAD_TOL, f"{n}: rel-L2 {rel_l2(a, b):.2e}"
+        assert not torch.isnan(a).any(), f"NaN in {n}"
+        assert grad_error(a, b) < GRAD_TOL, f"{n}: error {grad_error(a, b):.2e}"
 
 
 @needs_hopper

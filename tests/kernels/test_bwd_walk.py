@@ -61,3 +61,19 @@ def test_fully_masked_rows_and_sq_not_multiple_of_tile():
         return (q_idx >= 70) & (kv_idx <= q_idx)
 
     _compare(190, 260, 2, 1, None, late_start)
+
+
+@pytest.mark.parametrize("Sq,Skv", [(1, 1), (1, 300), (300, 1)])
+def test_single_row_and_single_key(Sq, Skv):
+    """One Q tile that is mostly padding, or one key in a mostly padded KV tile."""
+    _compare(Sq, Skv, 2, 1, with_dlse=True)
+
+
+def test_kv_tiles_that_visit_no_query_tile():
+    """One query row that sees the first 101 keys: the later KV tiles have empty Q-direction lists (a zero-trip loop
+    in the kernel, whose dK and dV must still come out as zeros). Not plain causal: a row with one key has P = 1
+    and dS = 0 exactly, and its rounding noise makes no comparison."""
+    def near_start(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + 100
+
+    _compare(1, 300, 2, 2, None, near_start)
