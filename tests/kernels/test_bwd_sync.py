@@ -310,3 +310,31 @@ def test_triage_script_reports_a_hang_instead_of_going_silent(tmp_path):
     assert res.returncode == 1, res.stdout + res.stderr
     records = {r["name"]: r["status"] for r in json.loads(out.read_text())}
     assert records["finishes"] == "ok" and records["never finishes"] == "timeout", records
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_backward_with_mods_keeps_its_synchronisation(D):
+    """score_mod + derivative + captured-tensor atomics + mask_mod inlined (the lean register plan at D=128): the
+    generated code must not move a collective under a divergent branch or change the barrier plan."""
+    import torch
+    from flexlab.codegen import generate
+    from flexlab.kernels.bwd_config import default_bwd_config
+    from flexlab.kernels.bwd_launch import BwdKey, compile_main
+    bias = torch.randn(4, 129, requires_grad=True)
+
+    def rel_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h, torch.clamp(kv_idx - q_idx, -64, 64) + 64]
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    g = generate(rel_bias, causal, fastmath=True)
+    aux = g.kernel_aux_tensors()
+    cfg = default_bwd_config(D)
+    key = BwdKey(g.hash, True, True, True, tuple((str(t.dtype).removeprefix("torch."), t.dim()) for t in aux),
+                 tuple("float" if k == "float" else "int" for k in g.aux_scalar_kinds),
+                 tuple(t.dim() for t, rg in zip(aux, g.aux_requires_grad) if rg), "bfloat16", cfg, True)
+    ptx = compile_main(key, g.module(), options=" --keep-ptx").__ptx__
+    assert divergent_collectives(ptx) == []
+    assert _expect_tx_bytes(ptx) == {2 * cfg.tile_n * cfg.head_dim * 2, 2 * cfg.tile_m * cfg.head_dim * 2}
+    assert _mbarrier_init_counts(ptx) == {1, 4 * cfg.num_consumer_wgs}
