@@ -408,12 +408,14 @@ class FlexBwdSm90:
             if cutlass.const_expr(self.deterministic):
                 self.wait_dq_turn(order, batch, head, m_block, wg)
                 cute.arch.sync_warp()  # every lane has seen the turn before the warp-collective copy
+                cute.arch.fence_proxy("async.global")  # the acquire orders the TMA (async proxy) reduce too
             cute.copy(tma_dq, tdQs, tdQg[None, m_block])  # elects one lane of the warp itself
             # Every lane commits and waits on its own bulk group (empty for the lanes that issued nothing), so the
             # lane the copy elected is always covered without knowing which one it was.
             cute.arch.cp_async_bulk_commit_group()
             if cutlass.const_expr(self.deterministic):
                 cute.arch.cp_async_bulk_wait_group(0, read=False)  # the reduce has landed in global memory
+                cute.arch.fence_proxy("async.global")  # ... and is ordered before the generic-proxy release
                 cute.arch.sync_warp()
                 if cute.arch.lane_idx() == 0:
                     mdQsem = order[0]
