@@ -73,9 +73,10 @@ def dq_issuer():
     """True in the first warp of each consumer warpgroup, which issues that warpgroup's dQ reduce.
 
     A whole warp, not one thread: the TMA reduce copy elects its issuing lane with `elect.sync` over the full warp,
-    which never completes when only one lane reaches it. Recomputed from the warp index (warp-uniform, so the branch
-    stays convergent: it tests only bits 5 and 6 of the thread index) at each use rather than kept live through the
-    main loop; at D=128 with a block mask even that one register made the consumers spill."""
+    which never completes when only one lane reaches it. The test reads only bits 5 and 6 of the thread index (the
+    warp's place in its warpgroup), so it is the same in every lane and the branch stays convergent. Recomputed at
+    each use rather than kept live through the main loop: at D=128 with a block mask even that one register made the
+    consumers spill."""
     return (cute.arch.thread_idx()[0] % 128) < 32
 
 
