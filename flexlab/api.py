@@ -133,8 +133,9 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
             raise BackendUnavailableError(
                 "backend='cute' has no backward kernel yet; use backend='torch' or 'reference' for training, or "
                 "run under torch.no_grad()")
-        ok, reason = cute.is_supported(query, key, value, score_mod, block_mask, scale, enable_gqa)
-        if not ok:
-            raise BackendUnavailableError(f"backend='cute' cannot run this call: {reason}")
+        if backend == "cute":  # "auto" asked is_supported already before choosing cute
+            ok, reason = cute.is_supported(query, key, value, score_mod, block_mask, scale, enable_gqa)
+            if not ok:
+                raise BackendUnavailableError(f"backend='cute' cannot run this call: {reason}")
         out, lse = cute.flex_attention_forward(query, key, value, score_mod, block_mask, scale, enable_gqa)
     return (out, lse) if return_lse else out
