@@ -72,22 +72,46 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _choose_backend(backend, query, key, value, score_mod, block_mask, scale, enable_gqa) -> str:
+def _cute_needs_grad(query, key, value, score_mod, block_mask) -> bool:
+    """Gradients wanted from the cute backend: for Q, K, V or for a tensor the mods capture (a learnable bias)."""
+    if not torch.is_grad_enabled():
+        return False
+    if query.requires_grad or key.requires_grad or value.requires_grad:
+        return True
+    from .backends import cute
+    return cute.captured_requires_grad(score_mod, block_mask)
+
+
+def _cute_reason(query, key, value, score_mod, block_mask, scale, enable_gqa) -> str:
+    """"" when flexlab's kernels can run this call (the backward too, when gradients are wanted), else why not."""
+    from .backends import cute
+    ok, reason = cute.is_supported(query, key, value, score_mod, block_mask, scale, enable_gqa)
+    if not ok:
+        return reason
+    if _cute_needs_grad(query, key, value, score_mod, block_mask):
+        from .autograd import backward_unsupported_reason
+        return backward_unsupported_reason(query, block_mask) or ""
+    return ""
+
+
+def _choose_backend(backend, query, key, value, score_mod, block_mask, scale, enable_gqa, deterministic) -> str:
     if backend != "auto":
         return backend
-    if query.device.type != "cuda" and _needs_grad(query, key, value):
-        return "reference"  # torch's CPU flex_attention has no backward; the dense reference does
-    if query.device.type == "cuda" and not _needs_grad(query, key, value):
-        from .backends import cute
-        ok, _reason = cute.is_supported(query, key, value, score_mod, block_mask, scale, enable_gqa)
-        if ok:
-            return "cute"
+    if query.device.type != "cuda":
+        # torch's CPU flex_attention has no backward; the dense reference does
+        return "reference" if _needs_grad(query, key, value) else "torch"
+    reason = _cute_reason(query, key, value, score_mod, block_mask, scale, enable_gqa)
+    if not reason:
+        return "cute"
+    if deterministic and _needs_grad(query, key, value):
+        raise BackendUnavailableError(
+            f"deterministic=True needs flexlab's backward kernel, which cannot run this call: {reason}")
     return "torch"
 
 
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod=None,
                    block_mask: BlockMask | None = None, scale: float | None = None, enable_gqa: bool = False,
-                   return_lse: bool = False, *, backend: str = "auto"):
+                   return_lse: bool = False, *, backend: str = "auto", deterministic: bool | None = None):
     r"""FlexAttention with torch's semantics and a choice of backends.
 
     Shapes: ``query (B, Hq, Sq, D)``, ``key (B, Hkv, Skv, D)``, ``value (B, Hkv, Skv, Dv)``; output
@@ -108,12 +132,17 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         return_lse: also return the log-sum-exp of each row.
         backend: ``"reference"`` (dense fp32/fp64 math, any device), ``"torch"`` (torch's compiled
             flex_attention on CUDA, its own path on CPU), ``"cute"`` (flexlab's CuTeDSL kernels, Hopper), or
-            ``"auto"`` (cute where it supports the call, else torch; on CPU with gradients, reference).
+            ``"auto"`` (cute where it supports the call, forward and backward, else torch; on CPU with
+            gradients, reference).
+        deterministic: bitwise-reproducible gradients from the cute backward (ordered dQ accumulation,
+            fixed-point captured-tensor grads); None follows ``torch.are_deterministic_algorithms_enabled()``.
 
     Fully masked rows give output 0 and LSE -inf.
     """
     _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, backend)
-    chosen = _choose_backend(backend, query, key, value, score_mod, block_mask, scale, enable_gqa)
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    chosen = _choose_backend(backend, query, key, value, score_mod, block_mask, scale, enable_gqa, deterministic)
     if chosen == "reference":
         from .backends.reference import reference_attention
         compute = torch.float64 if query.dtype == torch.float64 else torch.float32
@@ -129,13 +158,14 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         out, lse = torch_flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa)
     else:
         from .backends import cute
-        if _needs_grad(query, key, value):
-            raise BackendUnavailableError(
-                "backend='cute' has no backward kernel yet; use backend='torch' or 'reference' for training, or "
-                "run under torch.no_grad()")
-        if backend == "cute":  # "auto" asked is_supported already before choosing cute
-            ok, reason = cute.is_supported(query, key, value, score_mod, block_mask, scale, enable_gqa)
-            if not ok:
+        if backend == "cute":  # "auto" has checked already before choosing cute
+            reason = _cute_reason(query, key, value, score_mod, block_mask, scale, enable_gqa)
+            if reason:
                 raise BackendUnavailableError(f"backend='cute' cannot run this call: {reason}")
-        out, lse = cute.flex_attention_forward(query, key, value, score_mod, block_mask, scale, enable_gqa)
+        if _cute_needs_grad(query, key, value, score_mod, block_mask):
+            from .autograd import differentiable_attention
+            out, lse = differentiable_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
+                                                return_lse=True, deterministic=deterministic)
+        else:
+            out, lse = cute.flex_attention_forward(query, key, value, score_mod, block_mask, scale, enable_gqa)
     return (out, lse) if return_lse else out

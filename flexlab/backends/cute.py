@@ -141,6 +141,14 @@ def is_supported(q, k, v, score_mod, block_mask, scale, enable_gqa) -> tuple[boo
     return True, ""
 
 
+def captured_requires_grad(score_mod, block_mask) -> bool:
+    """Whether a tensor the mods capture requires grad (a learnable bias table, per-head slopes, ...)."""
+    mask_mod = _effective_mask_mod(block_mask)
+    if score_mod is None and mask_mod is None:
+        return False
+    return any(t.requires_grad for t in _lowered(score_mod, mask_mod).aux_tensors)
+
+
 _MASK_REASON: dict = {}
 
 

@@ -87,7 +87,8 @@ def _bwd_rows() -> list[Row]:
     rows = []
     for variant in ("dense", "causal", "sliding_window", "document", "alibi_causal", "softcap_causal"):
         rows += [Row(variant, B, S, mode=FWD_BWD) for B, S in long_sizes]
-    rows += [Row(variant, 1, 16384, D=64, mode=FWD_BWD) for variant in ("dense", "causal")]
+    rows += [Row(variant, 1, 16384, D=64, mode=FWD_BWD)
+             for variant in ("dense", "causal", "sliding_window", "document")]
     return rows
 
 

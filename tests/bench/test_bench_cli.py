@@ -50,7 +50,7 @@ def test_bad_arguments_exit_with_status_2(capsys):
 
 def test_list_rows(capsys):
     assert main(["--rows", "bwd-default", "--list"]) == 0
-    assert len(capsys.readouterr().out.split("\n")) == 15
+    assert len(capsys.readouterr().out.split("\n")) == 17
 
 
 @pytest.mark.gpu

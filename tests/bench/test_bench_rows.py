@@ -29,8 +29,8 @@ def test_default_rows_are_the_issue_rows():
         assert {(v, 4, 4096, 128), (v, 1, 16384, 128)} <= fwd
     assert len(ROW_SETS["fwd-default"]) == 18
     bwd = ROW_SETS["bwd-default"]
-    assert all(r.mode == FWD_BWD for r in bwd) and len(bwd) == 14
-    assert {(r.variant, r.S) for r in bwd if r.D == 64} == {("dense", 16384), ("causal", 16384)}
+    assert all(r.mode == FWD_BWD for r in bwd) and len(bwd) == 16
+    assert {(r.variant, r.S) for r in bwd if r.D == 64} == {(v, 16384) for v in ("dense", "causal", "sliding_window", "document")}
     assert all(r.H == 16 and r.dtype == "bf16" for r in ROW_SETS["all"])
 
 
