@@ -36,8 +36,9 @@ _DOCS = {
     "score_mod": "The user's score_mod on one element: the already-scaled score -> Float32.",
     "mask_mod": "The user's mask_mod on one element: True keeps the position.",
     "score_mod_bwd": "grad * d(score_mod)/d(score) on one element, recomputing the forward temporaries it needs.",
-    "score_mod_aux_grad": ("Adds grad * d(score_mod)/d(captured[idx]) into aux_grads with relaxed fp32 atomics "
-                           "(atom.global.add.f32); callers pass grad = 0 at padded positions."),
+    "score_mod_aux_grad": ("Adds grad * d(score_mod)/d(captured[idx]) into aux_grads: fp32 atomics, or exact int64 "
+                           "fixed-point atomics when the buffer is int64 (deterministic mode); callers pass grad = 0 "
+                           "at padded positions."),
 }
 
 
@@ -244,7 +245,7 @@ class FunctionEmitter:
         self.lines.append(f"{dst} = aux_grads[{slot}]")
         coord = f"({idx[0]},)" if len(idx) == 1 else f"({', '.join(idx)})"
         self.lines.append(f"if {value} != Float32(0.0):  # masked and padded positions add nothing")
-        self.lines.append(f"    cute.arch.atomic_add({dst}.iterator + cute.crd2idx({coord}, {dst}.layout), {value})")
+        self.lines.append(f"    add_aux_grad({dst}, {coord}, {value})")
 
     def body(self) -> list[str]:
         return self._prologue + self.lines
@@ -307,6 +308,7 @@ def emit_module(graph: Graph, score_root: int | None, mask_root: int | None, der
         "import cutlass",
         "import cutlass.cute as cute",
         "from cutlass import Boolean, Float32, Int32",
+        *(["", "from flexlab.kernels.bwd_aux_grad import add_aux_grad"] if slots else []),
         "",
         "",
         _AS_REGISTER,
