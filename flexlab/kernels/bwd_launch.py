@@ -188,7 +188,7 @@ def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, bloc
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
     dtype = _DTYPES[q.dtype]
-    kernel_aux = list(g.kernel_aux_tensors()) if g is not None else []
+    kernel_aux = list(g.kernel_aux_tensors()) if g is not None else []  # row-major, as bwd_sm90 compiled them
     for name, t in zip(g.aux_tensor_names if g is not None else (), kernel_aux):
         if t.device != dev:
             raise BackendUnavailableError(f"captured tensor '{name}' is on {t.device} but the inputs are on {dev}; "
@@ -217,7 +217,7 @@ def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, bloc
     scalars = tuple(g.kernel_aux_scalars(aux_scalars)) if g is not None else ()
     main(_to_cute(q, 16), _to_cute(k, 16), _to_cute(v, 16), _to_cute(dout, 16), _to_cute(lse2), _to_cute(dpsum),
          _to_cute(dq_accum, 16), _to_cute(dk, 16), _to_cute(dv, 16), scale, Hq // Hkv,
-         tuple(_to_cute(t) for t in sparse) if sparse else None, tuple(_to_cute(t) for t in kernel_aux), scalars,
+         tuple(_to_cute(t) for t in sparse) if sparse else None, tuple(_to_cute(t, t.element_size()) for t in kernel_aux), scalars,
          tuple(_to_cute(t, 8 if fixed_point else 4) for t in grads), _to_cute(sem) if sem is not None else None,
          _to_cute(rank) if rank is not None else None, stream)
     post(_to_cute(dq_accum, 16), _to_cute(dq, 16), scale, stream)

@@ -519,8 +519,11 @@ def fake_arguments(cfg: BwdConfig, dtype, block_sparse: bool = False, aux_tensor
     rows = compact(Float32, (sym(), sym(), cute.sym_int32(divisibility=cfg.tile_m)))
     accum = compact(Float32, (sym(), sym(), cute.sym_int32(divisibility=cfg.tile_m), hd), align=16)
     from ..runtime.compile import _cutlass_dtype
+    # Captured tensors arrive row-major with unit stride on the last mode (`bwd_launch` makes them contiguous), the
+    # layout `from_dlpack(...).mark_layout_dynamic(leading_dim=-1)` describes; a fake with a dynamic last stride
+    # would expect one more runtime stride than the launch passes and shift every argument after it.
     aux_tensors = tuple(make_fake_tensor(_cutlass_dtype(name), tuple(sym() for _ in range(ndim)),
-                                         tuple(cute.sym_int64() for _ in range(ndim)))
+                                         tuple(cute.sym_int64() for _ in range(ndim - 1)) + (1,))
                         for name, ndim in aux_tensor_specs)
     aux_scalars = tuple(Int32(0) if kind == "int" else Float32(0.0) for kind in aux_scalar_kinds)
     grad_dtype, grad_align = (Int64, 8) if fixed_point_aux_grads else (Float32, 4)

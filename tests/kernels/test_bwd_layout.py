@@ -48,3 +48,31 @@ def test_transposed_accumulator_coordinates_are_query_then_key():
         assert {q for q, _ in coords} == queries, t
         assert {kv for _, kv in coords} == keys, t
         assert len(set(coords)) == len(coords)
+
+
+def _stride_pattern(tensor_repr: str) -> list[str]:
+    """'?' for each dynamic stride and the number for each static one, from a cute tensor's printed layout."""
+    strides = tensor_repr.rsplit(":", 1)[1] if ":" in tensor_repr else tensor_repr.rsplit("), (", 1)[1]
+    return ["?" if "?" in tok else tok.strip(" ()>") for tok in strides.split(",") if tok.strip(" ()>")]
+
+
+def test_captured_tensors_reach_the_kernel_in_the_layout_it_was_compiled_for():
+    """The main kernel's compiled signature and the launch's runtime tensors must agree stride for stride (a
+    dynamic stride the launch does not pass shifts every later argument: wrong grads, illegal addresses)."""
+    import torch
+
+    from flexlab.kernels.bwd_config import default_bwd_config
+    from flexlab.kernels.bwd_launch import _to_cute
+    from flexlab.kernels.bwd_sm90 import fake_arguments
+
+    table = torch.randn(4, 65)
+    ids = torch.arange(12, dtype=torch.int32).view(3, 4)
+    args = fake_arguments(default_bwd_config(64), cutlass.BFloat16, True, (("float32", 2), ("int32", 2)), (),
+                          (2,))
+    fake_aux, fake_grads = args[12], args[14]
+    for fake, real in zip(fake_aux, (table, ids)):
+        assert _stride_pattern(str(fake)) == _stride_pattern(str(_to_cute(real, real.element_size()))), str(fake)
+    assert _stride_pattern(str(fake_grads[0])) == _stride_pattern(str(_to_cute(torch.zeros(4, 65))))
+    for fake, real in zip(args[11], (torch.zeros(1, 2, 3, dtype=torch.int32), torch.zeros(1, 2, 3, 4, dtype=torch.int32),
+                                     torch.zeros(1, 2, 3, dtype=torch.int32), torch.zeros(1, 2, 3, 4, dtype=torch.int32))):
+        assert _stride_pattern(str(fake)) == _stride_pattern(str(_to_cute(real)))
