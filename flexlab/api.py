@@ -72,41 +72,52 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def _cute_needs_grad(query, key, value, score_mod, block_mask) -> bool:
-    """Gradients wanted from the cute backend: for Q, K, V or for a tensor the mods capture (a learnable bias)."""
-    if not torch.is_grad_enabled():
-        return False
-    if query.requires_grad or key.requires_grad or value.requires_grad:
-        return True
+def _cute_plan(query, key, value, score_mod, block_mask) -> tuple[str, bool]:
+    """(why flexlab's kernels cannot run this call or "", whether the call needs their backward).
+
+    Gradients are wanted for Q, K, V or for a tensor the mods capture (a learnable bias). Everything is decided by
+    `_cute_plan_static` from plain values, which torch.compile runs once at trace time and keeps as a constant."""
+    qkv_grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    if block_mask is None:
+        mask_mod = block_size = None
+        has_q_lists = True
+    else:
+        mask_mod, block_size = block_mask.mask_mod, tuple(block_mask.BLOCK_SIZE)
+        has_q_lists = block_mask.q_num_blocks is not None
+    plan = _cute_plan_static(query.device, query.dtype, query.shape[-1], value.shape[-1], score_mod, mask_mod,
+                             block_size, has_q_lists, qkv_grad, torch.is_grad_enabled())
+    return plan[:-1], plan[-1] == "1"
+
+
+@torch._dynamo.assume_constant_result
+def _cute_plan_static(device, dtype, head_dim, v_head_dim, score_mod, mask_mod, block_size, has_q_lists,
+                      qkv_grad: bool, grad_enabled: bool) -> str:
+    """The reason string with "1" (backward needed) or "0" appended: one string, so Dynamo folds it as a constant."""
     from .backends import cute
-    return cute.captured_requires_grad(score_mod, block_mask)
+    reason = cute.support_reason(device, dtype, head_dim, v_head_dim, score_mod, mask_mod, block_size)
+    needs_grad = not reason and (qkv_grad or (grad_enabled and cute.captured_requires_grad(score_mod, mask_mod)))
+    if needs_grad:
+        from .autograd import backward_reason
+        reason = backward_reason(dtype, head_dim, block_size, has_q_lists) or ""
+    return reason + ("1" if needs_grad else "0")
 
 
-def _cute_reason(query, key, value, score_mod, block_mask, scale, enable_gqa) -> str:
-    """"" when flexlab's kernels can run this call (the backward too, when gradients are wanted), else why not."""
-    from .backends import cute
-    ok, reason = cute.is_supported(query, key, value, score_mod, block_mask, scale, enable_gqa)
-    if not ok:
-        return reason
-    if _cute_needs_grad(query, key, value, score_mod, block_mask):
-        from .autograd import backward_unsupported_reason
-        return backward_unsupported_reason(query, block_mask) or ""
-    return ""
-
-
-def _choose_backend(backend, query, key, value, score_mod, block_mask, scale, enable_gqa, deterministic) -> str:
-    if backend != "auto":
-        return backend
-    if query.device.type != "cuda":
+def _choose_backend(backend, query, key, value, score_mod, block_mask, deterministic) -> tuple[str, bool]:
+    """(backend to run, whether the cute backend must run its differentiable path)."""
+    if backend == "auto" and query.device.type != "cuda":
         # torch's CPU flex_attention has no backward; the dense reference does
-        return "reference" if _needs_grad(query, key, value) else "torch"
-    reason = _cute_reason(query, key, value, score_mod, block_mask, scale, enable_gqa)
+        return ("reference" if _needs_grad(query, key, value) else "torch"), False
+    if backend not in ("auto", "cute"):
+        return backend, False
+    reason, needs_grad = _cute_plan(query, key, value, score_mod, block_mask)
     if not reason:
-        return "cute"
+        return "cute", needs_grad
+    if backend == "cute":
+        raise BackendUnavailableError(f"backend='cute' cannot run this call: {reason}")
     if deterministic and _needs_grad(query, key, value):
         raise BackendUnavailableError(
             f"deterministic=True needs flexlab's backward kernel, which cannot run this call: {reason}")
-    return "torch"
+    return "torch", False
 
 
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod=None,
@@ -142,7 +153,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, backend)
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    chosen = _choose_backend(backend, query, key, value, score_mod, block_mask, scale, enable_gqa, deterministic)
+    chosen, cute_grad = _choose_backend(backend, query, key, value, score_mod, block_mask, deterministic)
     if chosen == "reference":
         from .backends.reference import reference_attention
         compute = torch.float64 if query.dtype == torch.float64 else torch.float32
@@ -157,15 +168,12 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         from .backends.torch_flex import torch_flex_attention
         out, lse = torch_flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa)
     else:
-        from .backends import cute
-        if backend == "cute":  # "auto" has checked already before choosing cute
-            reason = _cute_reason(query, key, value, score_mod, block_mask, scale, enable_gqa)
-            if reason:
-                raise BackendUnavailableError(f"backend='cute' cannot run this call: {reason}")
-        if _cute_needs_grad(query, key, value, score_mod, block_mask):
+        if cute_grad or torch.compiler.is_compiling():
+            # through the custom ops: autograd for the backward kernels, and one opaque node for torch.compile
             from .autograd import differentiable_attention
             out, lse = differentiable_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
                                                 return_lse=True, deterministic=deterministic)
         else:
+            from .backends import cute
             out, lse = cute.flex_attention_forward(query, key, value, score_mod, block_mask, scale, enable_gqa)
     return (out, lse) if return_lse else out

@@ -76,17 +76,24 @@ def backward_unsupported_reason(query, block_mask) -> str | None:
 
     For `flexlab.api` to decide between backend="cute" and a fallback before running the forward.
     """
+    if block_mask is None:
+        return backward_reason(query.dtype, query.shape[-1], None, True)
+    return backward_reason(query.dtype, query.shape[-1], block_mask.BLOCK_SIZE, block_mask.q_num_blocks is not None)
+
+
+def backward_reason(dtype, head_dim: int, block_size, has_q_lists: bool) -> str | None:
+    """`backward_unsupported_reason` from plain values (no tensors), for decisions folded at trace time."""
     from .kernels.bwd_config import BWD_HEAD_DIMS, default_bwd_config
-    if query.dtype not in (torch.bfloat16, torch.float16):
-        return f"the backward kernel takes bfloat16/float16, got {query.dtype}"
-    if query.shape[-1] not in BWD_HEAD_DIMS:
-        return f"the backward kernel supports head dims {BWD_HEAD_DIMS}, got {query.shape[-1]}"
-    if block_mask is not None:
-        q_bs, kv_bs = (int(x) for x in block_mask.BLOCK_SIZE)
-        err = default_bwd_config(query.shape[-1]).block_mask_error(q_bs, kv_bs)
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"the backward kernel takes bfloat16/float16, got {dtype}"
+    if head_dim not in BWD_HEAD_DIMS:
+        return f"the backward kernel supports head dims {BWD_HEAD_DIMS}, got {head_dim}"
+    if block_size is not None:
+        q_bs, kv_bs = (int(x) for x in block_size)
+        err = default_bwd_config(head_dim).block_mask_error(q_bs, kv_bs)
         if err:
             return err + "; build the mask with BLOCK_SIZE=128"
-        if block_mask.q_num_blocks is None:
+        if not has_q_lists:
             return "the block mask has no Q-direction lists (q_num_blocks); build it with create_block_mask"
     return None
 

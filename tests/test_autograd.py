@@ -281,3 +281,39 @@ def test_cuda_deterministic_mode_is_bitwise_repeatable():
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
             assert torch.equal(a, b)
+
+
+def test_torch_compile_fullgraph_through_flex_attention(monkeypatch):
+    """`flexlab.flex_attention` itself (argument checks, backend choice, mod lowering) traces into one graph: the
+    choice is folded to a constant at trace time and the kernels stay one opaque custom op. The device check is
+    told a CPU is fine, so the custom ops run their CPU formulas; everything Dynamo sees is as on a GPU."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from flexlab.backends import cute
+    monkeypatch.setattr(cute, "_device_reason", lambda device: "")
+    bias = (0.1 * torch.randn(2, 17)).requires_grad_(True)
+
+    def rel_bias(score, b, h, q_idx, kv_idx):  # reads the module `torch` from its globals, as user mods do
+        return score + bias[h, torch.clamp(kv_idx - q_idx, -8, 8) + 8]
+
+    bm = flexlab.create_block_mask(lambda b, h, qi, kv: qi >= kv, 1, 1, 160, 160)
+    q, k, v = (torch.randn(2, 2, 160, 64, dtype=torch.bfloat16).requires_grad_(True) for _ in range(3))
+
+    def loss_fn(q, k, v):
+        return flexlab.flex_attention(q, k, v, rel_bias, bm, backend="cute").float().square().mean()
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    loss = torch.compile(loss_fn, backend=counter, fullgraph=True)(q, k, v)
+    loss.backward()
+    got = [t.grad.clone() for t in (q, k, v, bias)]
+    assert counter.frame_count == 1
+    graph_ops = [str(n.target) for g in counter.graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert any("flex_attention_fwd" in op for op in graph_ops), graph_ops
+    for t in (q, k, v, bias):
+        t.grad = None
+    eager = loss_fn(q, k, v)
+    eager.backward()
+    assert torch.allclose(loss, eager)
+    for a, t in zip(got, (q, k, v, bias)):
+        assert rel_l2(a.float(), t.grad.float()) < 1e-3

@@ -101,7 +101,9 @@ _DEVICE_REASON: dict = {}
 
 
 def _device_reason(device) -> str:
-    """"" when this CUDA device has a flexlab kernel and the DSL is installed, else why not (cached per device)."""
+    """"" when this device has a flexlab kernel and the DSL is installed, else why not (cached per device)."""
+    if device.type != "cuda":
+        return f"needs CUDA tensors, got {device}"
     reason = _DEVICE_REASON.get(device)
     if reason is None:
         from ..runtime.arch import forward_arch, supported_names
@@ -116,34 +118,41 @@ def _device_reason(device) -> str:
     return reason
 
 
-def is_supported(q, k, v, score_mod, block_mask, scale, enable_gqa) -> tuple[bool, str]:
-    if q.device.type != "cuda":
-        return False, f"needs CUDA tensors, got {q.device}"
-    reason = _device_reason(q.device)
+def support_reason(device, dtype, head_dim: int, v_head_dim: int, score_mod, mask_mod, block_size) -> str:
+    """"" when the forward kernel runs these inputs, else why not. Takes no tensors (only what the decision needs),
+    so `flexlab.api` can have torch.compile fold it into a constant at trace time."""
+    reason = _device_reason(device)
     if reason:
-        return False, reason
-    if q.dtype not in _DTYPES:
-        return False, f"dtype {q.dtype} unsupported; use bfloat16 or float16"
-    if q.shape[-1] not in _HEAD_DIMS or v.shape[-1] != q.shape[-1]:
-        return False, f"head dim {q.shape[-1]} (value {v.shape[-1]}) unsupported; supported: {_HEAD_DIMS}, equal for q/k/v"
-    if block_mask is not None:
-        reason = _mask_reason(block_mask.BLOCK_SIZE, q.shape[-1])
+        return reason
+    if dtype not in _DTYPES:
+        return f"dtype {dtype} unsupported; use bfloat16 or float16"
+    if head_dim not in _HEAD_DIMS or v_head_dim != head_dim:
+        return f"head dim {head_dim} (value {v_head_dim}) unsupported; supported: {_HEAD_DIMS}, equal for q/k/v"
+    if block_size is not None:
+        reason = _mask_reason(block_size, head_dim)
         if reason:
-            return False, reason
-    mask_mod = _effective_mask_mod(block_mask)
+            return reason
+    mask_mod = None if _is_noop_mask(mask_mod) else mask_mod
     if score_mod is not None or mask_mod is not None:
         try:
             _lowered(score_mod, mask_mod)
         except UnsupportedModError as e:
-            return False, str(e)
+            return str(e)
         except ImportError as e:
-            return False, f"the code generator cannot run: {e}"
-    return True, ""
+            return f"the code generator cannot run: {e}"
+    return ""
 
 
-def captured_requires_grad(score_mod, block_mask) -> bool:
+def is_supported(q, k, v, score_mod, block_mask, scale, enable_gqa) -> tuple[bool, str]:
+    reason = support_reason(q.device, q.dtype, q.shape[-1], v.shape[-1], score_mod,
+                            None if block_mask is None else block_mask.mask_mod,
+                            None if block_mask is None else block_mask.BLOCK_SIZE)
+    return not reason, reason
+
+
+def captured_requires_grad(score_mod, mask_mod) -> bool:
     """Whether a tensor the mods capture requires grad (a learnable bias table, per-head slopes, ...)."""
-    mask_mod = _effective_mask_mod(block_mask)
+    mask_mod = None if _is_noop_mask(mask_mod) else mask_mod
     if score_mod is None and mask_mod is None:
         return False
     return any(t.requires_grad for t in _lowered(score_mod, mask_mod).aux_tensors)
