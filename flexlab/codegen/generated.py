@@ -48,6 +48,7 @@ class GeneratedMods:
         self.source = source
         self.hash = key
         self._names = names
+        self._kernel_aux = None  # (version counters of the captured tensors, their kernel views)
 
     def refresh(self) -> "GeneratedMods":
         """The mods as they are now: new values of captured numbers without tracing again (same source and hash);
@@ -123,7 +124,15 @@ class GeneratedMods:
         return out
 
     def kernel_aux_tensors(self) -> list[torch.Tensor]:
-        """Captured tensors as the kernel reads them: contiguous, 64-bit narrowed to 32, bool as uint8, 0-d as (1,)."""
+        """Captured tensors as the kernel reads them: contiguous, 64-bit narrowed to 32, bool as uint8, 0-d as (1,).
+
+        Cached until a captured tensor changes in place (its version counter moves): a launch calls this on every
+        step, and the int64 range check reads the data back from the GPU, which would stall the host each time.
+        (An edit through `.data` bypasses the counter; the forward's `_captured_state` shares that blind spot.)"""
+        state = tuple((id(t.tensor), t.tensor._version) for t in self._graph.aux_tensors)
+        hit = self._kernel_aux
+        if hit is not None and hit[0] == state:
+            return list(hit[1])
         out = []
         for t in self._graph.aux_tensors:
             x = t.tensor.detach()
@@ -131,22 +140,29 @@ class GeneratedMods:
                 raise ValueError(f"captured tensor '{t.name}' holds values outside Int32; the kernel reads int32")
             x = x.to(_KERNEL_DTYPE.get(x.dtype, x.dtype)).contiguous()
             out.append(x.reshape(1) if x.dim() == 0 else x)
+        self._kernel_aux = (state, tuple(out))
         return out
 
-    def kernel_aux_scalars(self, values=None) -> list:
-        """The scalars as CuTeDSL runtime arguments (`values` overrides the captured ones, same order)."""
-        from cutlass import Float32, Int32
+    def kernel_aux_scalar_values(self, values=None) -> tuple:
+        """The scalars as the plain Python numbers a TVM-FFI kernel call takes (int for int/bool, float for float),
+        ints range-checked against Int32 (`values` overrides the captured ones, same order)."""
         values = self.aux_scalars if values is None else list(values)
         out = []
         for s, v in zip(self._graph.aux_scalars, values):
             if s.kind == FLOAT:
-                out.append(Float32(float(v)))
+                out.append(float(v))
             else:
                 v = int(v)
                 if not -(2 ** 31) <= v < 2 ** 31:
                     raise ValueError(f"captured scalar '{s.name}' = {v} does not fit the kernel's Int32")
-                out.append(Int32(v))
-        return out
+                out.append(v)
+        return tuple(out)
+
+    def kernel_aux_scalars(self, values=None) -> list:
+        """The scalars as CuTeDSL runtime arguments (`values` overrides the captured ones, same order)."""
+        from cutlass import Float32, Int32
+        return [Float32(v) if s.kind == FLOAT else Int32(v)
+                for s, v in zip(self._graph.aux_scalars, self.kernel_aux_scalar_values(values))]
 
     def module(self) -> types.ModuleType:
         """The generated source, executed once per hash in this process; its functions are `@cute.jit`."""
