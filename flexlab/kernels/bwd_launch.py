@@ -4,6 +4,12 @@ preprocess (D, LSE in base 2) -> main kernel (dK, dV, fp32 dQ partial sums, capt
 (dQ = scale * sum). Each kernel is compiled once per configuration against symbolic shapes and kept in memory; the
 key names everything that is baked into the machine code (generated mods by hash, tiles, dtype, which optional
 inputs exist), never a runtime value.
+
+The kernels are compiled with TVM-FFI (`--enable-tvm-ffi`, torch's current stream as the environment stream), so a
+call hands torch tensors straight to the compiled function, which reads their DLPack headers in C and checks them
+against the compiled signature (dtype, rank, static sizes and strides, alignment, device). A warm call does no more
+Python than allocating the outputs and a few dict lookups, and never reads GPU memory back: what depends on the mods
+or the block mask is cached.
 """
 from __future__ import annotations
 
@@ -11,6 +17,8 @@ import math
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
 
 import torch
 
@@ -59,26 +67,42 @@ def _compiled(key, build):
     return fn
 
 
+def require_tvm_ffi() -> None:
+    """The backward kernels are only ever called through TVM-FFI: name the missing package up front instead of
+    failing deep inside the DSL's compiler."""
+    from ..runtime.compile import tvm_ffi_available
+    if not tvm_ffi_available():
+        raise BackendUnavailableError(
+            "flexlab's backward kernels are called through TVM-FFI, but the 'apache-tvm-ffi' package is not "
+            "installed; it is a dependency of flexlab: pip install apache-tvm-ffi==0.1.15.post2")
+
+
+def _options(arch: str, extra: str) -> str:
+    return f"--gpu-arch {arch} --enable-tvm-ffi{extra}"
+
+
 def compile_preprocess(dtype: str, head_dim: int, has_dlse: bool, arch: str = "sm_90a", options: str = ""):
     import cutlass.cute as cute
     from .bwd_preprocess import BwdPreprocess, fake_arguments
+    require_tvm_ffi()
     dt = _cutlass_dtype(dtype)
     return cute.compile(BwdPreprocess(dt, head_dim, has_dlse), *fake_arguments(dt, head_dim, has_dlse),
-                        options=f"--gpu-arch {arch}{options}")
+                        options=_options(arch, options))
 
 
 def compile_postprocess(dtype: str, head_dim: int, arch: str = "sm_90a", options: str = ""):
     import cutlass.cute as cute
     from .bwd_postprocess import BwdPostprocess, fake_arguments
+    require_tvm_ffi()
     dt = _cutlass_dtype(dtype)
-    return cute.compile(BwdPostprocess(dt, head_dim), *fake_arguments(dt, head_dim),
-                        options=f"--gpu-arch {arch}{options}")
+    return cute.compile(BwdPostprocess(dt, head_dim), *fake_arguments(dt, head_dim), options=_options(arch, options))
 
 
 def compile_main(key: BwdKey, module=None, options: str = ""):
     """`module` is the generated CuTeDSL module (score_mod, mask_mod, score_mod_bwd, score_mod_aux_grad)."""
     import cutlass.cute as cute
     from .bwd_sm90 import FlexBwdSm90, fake_arguments
+    require_tvm_ffi()
     dt = _cutlass_dtype(key.dtype)
     score_mod = module.score_mod if key.has_score_mod else None
     kernel = FlexBwdSm90(key.config, dt, score_mod, module.score_mod_bwd if key.has_score_mod else None,
@@ -87,7 +111,7 @@ def compile_main(key: BwdKey, module=None, options: str = ""):
                          deterministic=key.deterministic)
     args = fake_arguments(key.config, dt, key.block_sparse, key.aux_tensor_specs, key.aux_scalar_kinds,
                           key.aux_grad_ranks, key.deterministic, key.fixed_point_aux_grads)
-    return cute.compile(kernel, *args, options=f"--gpu-arch {key.arch}{options}")
+    return cute.compile(kernel, *args, options=_options(key.arch, options))
 
 
 def q_direction_tensors(block_mask: list, block_size: list, cfg: BwdConfig, seqlen_k: int) -> tuple:
@@ -111,22 +135,37 @@ def q_direction_tensors(block_mask: list, block_size: list, cfg: BwdConfig, seql
     return num, idx, fnum, fidx
 
 
-_Q_LISTS: "OrderedDict[tuple, tuple]" = OrderedDict()
+class QLists:
+    """One BlockMask's Q-direction lists at the kernel tiles, and (deterministic mode) its rank tables, built once.
+
+    Holds the mask tensors it came from, so their addresses in the cache key cannot be reused by another mask."""
+
+    def __init__(self, tensors: tuple, owners: tuple):
+        self.tensors, self._owners = tensors, owners
+        self._ranks: dict[int, torch.Tensor] = {}
+
+    def ranks(self, num_m_tiles: int) -> torch.Tensor:
+        hit = self._ranks.get(num_m_tiles)
+        if hit is None:
+            hit = self._ranks[num_m_tiles] = visit_ranks(self.tensors, num_m_tiles)
+        return hit
 
 
-def _cached_q_direction(block_mask: list, block_size: list, cfg: BwdConfig, seqlen_k: int) -> tuple:
-    """`q_direction_tensors`, computed once per mask (entries hold the mask tensors, so their addresses stay theirs;
-    the version counters catch in-place edits)."""
+_Q_LISTS: "OrderedDict[tuple, QLists]" = OrderedDict()
+
+
+def _cached_q_direction(block_mask: list, block_size: list, cfg: BwdConfig, seqlen_k: int) -> QLists:
+    """`q_direction_tensors`, computed once per mask (the version counters catch in-place edits)."""
     key = (tuple((t.data_ptr(), t._version, tuple(t.shape)) if t is not None else None for t in block_mask[4:8]),
            tuple(block_size), cfg.tile_m, cfg.tile_n, seqlen_k)
     hit = _Q_LISTS.get(key)
     if hit is None:
-        hit = (q_direction_tensors(block_mask, block_size, cfg, seqlen_k), tuple(block_mask[4:8]))
+        hit = QLists(q_direction_tensors(block_mask, block_size, cfg, seqlen_k), tuple(block_mask[4:8]))
         _Q_LISTS[key] = hit
         while len(_Q_LISTS) > 16:
             _Q_LISTS.popitem(last=False)
     _Q_LISTS.move_to_end(key)
-    return hit[0]
+    return hit
 
 
 def visit_ranks(sparse: tuple, num_m_tiles: int) -> torch.Tensor:
@@ -144,84 +183,106 @@ def visit_ranks(sparse: tuple, num_m_tiles: int) -> torch.Tensor:
     return (visits.cumsum(dim=2) - visits).to(torch.int32).contiguous()
 
 
-def _to_cute(t: torch.Tensor, align: int = 4):
-    """A cute tensor view with dynamic shapes/strides (unit stride on the last mode), as the kernels were compiled."""
-    from cutlass.cute.runtime import from_dlpack
-    # detach: saved forward outputs reach the backward still attached to the graph, and DLPack refuses those
-    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
-
-
-def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, block_size, scale: float,
-             aux_scalars, deterministic: bool, arch: str = "sm_90a"):
-    """(dq, dk, dv, grads of `entry.grad_slots` in fp32). Inputs come from the autograd formula (validated)."""
-    import cuda.bindings.driver as cuda
-    from ..runtime.launch import tma_ready
-
-    if q.dtype not in _DTYPES:
-        raise BackendUnavailableError(f"backend='cute' backward supports bfloat16/float16, got {q.dtype}")
-    B, Hq, Sq, D = q.shape
-    Hkv, Skv = k.shape[1], k.shape[2]
+@lru_cache(maxsize=None)
+def _config(head_dim: int) -> BwdConfig:
     try:
-        cfg = default_bwd_config(D).validate()
+        return default_bwd_config(head_dim).validate()
     except ValueError as e:
         raise BackendUnavailableError(f"backend='cute' backward: {e}") from None
-    g = entry.generated
-    has_aux_grad = bool(entry.grad_slots) and g is not None and g.has_score_mod  # a mask has no gradient
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The three compiled kernels of one configuration and what the launch needs to know about them."""
+
+    pre: Any
+    main: Any
+    post: Any
+    grad_dtype: torch.dtype  # captured-tensor gradient buffers: fp32, or int64 fixed point (deterministic)
+
+
+_KERNELS: dict[tuple, Kernels] = {}
+
+
+def _kernels(g, grad_slots, kernel_aux, dtype: torch.dtype, cfg: BwdConfig, sparse: bool, has_dlse: bool,
+             deterministic: bool, arch: str) -> Kernels:
+    """Compiled kernels for this call; one dict lookup once warm. Everything in the fast key's place is fixed by
+    the generated code's hash (mod structure, captured-tensor dtypes/ranks, which of them require grad)."""
+    fast = (g.hash if g is not None else "", dtype, cfg.head_dim, sparse, has_dlse, deterministic, arch)
+    hit = _KERNELS.get(fast)
+    if hit is not None:
+        return hit
+    has_aux_grad = bool(grad_slots) and g is not None and g.has_score_mod  # a mask has no gradient
     fixed_point = bool(deterministic and has_aux_grad)
     if fixed_point and "add_aux_grad" not in g.source:
         raise BackendUnavailableError(
             "deterministic=True with captured tensors that require grad needs generated code that accumulates through "
             "flexlab.kernels.bwd_aux_grad.add_aux_grad (this code generator emits plain fp32 atomics); use "
             "backend='reference' or turn determinism off")
-    q, k, v, dout = (tma_ready(t) for t in (q, k, v, dout))
-    out = out.contiguous()
-    sparse = None
+    name, D = _DTYPES[dtype], cfg.head_dim
+    key = BwdKey(g.hash if g is not None else "", bool(g is not None and g.has_score_mod),
+                 bool(g is not None and g.has_mask_mod and sparse), has_aux_grad,
+                 tuple((str(t.dtype).removeprefix("torch."), t.dim()) for t in kernel_aux),
+                 tuple("float" if kind == "float" else "int" for kind in (g.aux_scalar_kinds if g else ())),
+                 tuple(kernel_aux[i].dim() for i in grad_slots), name, cfg, sparse, deterministic, arch,
+                 fixed_point)
+    hit = Kernels(_compiled(("pre", name, D, has_dlse, arch), lambda: compile_preprocess(name, D, has_dlse, arch)),
+                  _compiled(key, lambda: compile_main(key, g.module() if g is not None else None)),
+                  _compiled(("post", name, D, arch), lambda: compile_postprocess(name, D, arch)),
+                  torch.int64 if fixed_point else torch.float32)
+    _KERNELS[fast] = hit
+    return hit
+
+
+def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, block_size, scale: float,
+             aux_scalars, deterministic: bool, arch: str = "sm_90a"):
+    """(dq, dk, dv, grads of `entry.grad_slots` in fp32). Inputs come from the autograd formula (validated).
+
+    Every tensor below is built in exactly the layout its kernel was compiled for (`fake_arguments` of each kernel
+    module): unit stride on the last mode, TMA-legal strides and 16-byte base for the (B, H, S, D) tensors."""
+    from ..runtime.launch import tma_ready
+
+    if q.dtype not in _DTYPES:
+        raise BackendUnavailableError(f"backend='cute' backward supports bfloat16/float16, got {q.dtype}")
+    B, Hq, Sq, D = q.shape
+    Hkv, Skv = k.shape[1], k.shape[2]
+    cfg = _config(D)
+    dev = q.device
+    g = entry.generated
+    kernel_aux = tuple(g.kernel_aux_tensors()) if g is not None else ()  # row-major, as bwd_sm90 compiled them
+    for i, t in enumerate(kernel_aux):
+        if t.device != dev:
+            raise BackendUnavailableError(f"captured tensor '{g.aux_tensor_names[i]}' is on {t.device} but the inputs "
+                                          f"are on {dev}; move it with .to({str(dev)!r}) before building the mods")
+    masks = None
     pad = cfg.tile_m
     if block_mask:
-        sparse = _cached_q_direction(block_mask, block_size, cfg, Skv)
+        masks = _cached_q_direction(block_mask, block_size, cfg, Skv)
         pad = math.lcm(cfg.tile_m, int(block_size[0]))  # listed Q tiles may run past Sq up to a mask block
+    deterministic = bool(deterministic)
+    kernels = _kernels(g, entry.grad_slots, kernel_aux, q.dtype, cfg, masks is not None, dlse is not None,
+                       deterministic, arch)
+
+    q, k, v, dout, out = (tma_ready(t) for t in (q, k, v, dout, out))
     sq_pad = -(-Sq // pad) * pad
-    dev = q.device
     lse2 = torch.empty((B, Hq, sq_pad), dtype=torch.float32, device=dev)
     dpsum = torch.empty((B, Hq, sq_pad), dtype=torch.float32, device=dev)
     dq_accum = torch.zeros((B, Hq, sq_pad, D), dtype=torch.float32, device=dev)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-    dtype = _DTYPES[q.dtype]
-    kernel_aux = list(g.kernel_aux_tensors()) if g is not None else []  # row-major, as bwd_sm90 compiled them
-    for name, t in zip(g.aux_tensor_names if g is not None else (), kernel_aux):
-        if t.device != dev:
-            raise BackendUnavailableError(f"captured tensor '{name}' is on {t.device} but the inputs are on {dev}; "
-                                          f"move it with .to({str(dev)!r}) before building the mods")
-    grad_dtype = torch.int64 if fixed_point else torch.float32
-    grads = [torch.zeros(kernel_aux[i].shape, dtype=grad_dtype, device=dev) for i in entry.grad_slots]
-    key = BwdKey(g.hash if g is not None else "", bool(g is not None and g.has_score_mod),
-                 bool(g is not None and g.has_mask_mod and sparse is not None), has_aux_grad,
-                 tuple((str(t.dtype).removeprefix("torch."), t.dim()) for t in kernel_aux),
-                 tuple("float" if kind == "float" else "int" for kind in (g.aux_scalar_kinds if g else ())),
-                 tuple(t.dim() for t in grads), dtype, cfg, sparse is not None, bool(deterministic), arch,
-                 fixed_point)
-    pre = _compiled(("pre", dtype, D, dlse is not None, arch), lambda: compile_preprocess(dtype, D, dlse is not None,
-                                                                                          arch))
-    main = _compiled(key, lambda: compile_main(key, g.module() if g is not None else None))
-    post = _compiled(("post", dtype, D, arch), lambda: compile_postprocess(dtype, D, arch))
-
+    grads = tuple(torch.zeros(kernel_aux[i].shape, dtype=kernels.grad_dtype, device=dev) for i in entry.grad_slots)
     sem = rank = None
     if deterministic:
         sem = torch.zeros((B, Hq, sq_pad // cfg.tile_m, cfg.num_consumer_wgs), dtype=torch.int32, device=dev)
-        if sparse is not None:
-            rank = visit_ranks(sparse, sq_pad // cfg.tile_m)
-    stream = cuda.CUstream(torch.cuda.current_stream(dev).cuda_stream)
-    pre(_to_cute(out, 16), _to_cute(dout, 16), _to_cute(lse.contiguous()),
-        _to_cute(dlse.contiguous()) if dlse is not None else None, _to_cute(dpsum), _to_cute(lse2), stream)
-    scalars = tuple(g.kernel_aux_scalars(aux_scalars)) if g is not None else ()
-    main(_to_cute(q, 16), _to_cute(k, 16), _to_cute(v, 16), _to_cute(dout, 16), _to_cute(lse2), _to_cute(dpsum),
-         _to_cute(dq_accum, 16), _to_cute(dk, 16), _to_cute(dv, 16), scale, Hq // Hkv,
-         tuple(_to_cute(t) for t in sparse) if sparse else None, tuple(_to_cute(t, t.element_size()) for t in kernel_aux), scalars,
-         tuple(_to_cute(t, 8 if fixed_point else 4) for t in grads), _to_cute(sem) if sem is not None else None,
-         _to_cute(rank) if rank is not None else None, stream)
-    post(_to_cute(dq_accum, 16), _to_cute(dq, 16), scale, stream)
-    if fixed_point:
+        if masks is not None:
+            rank = masks.ranks(sq_pad // cfg.tile_m)
+    scalars = g.kernel_aux_scalar_values(aux_scalars) if g is not None else ()
+
+    # Argument order = the kernels' __call__ signatures; None for an input compiled as absent.
+    kernels.pre(out, dout, lse.contiguous(), dlse.contiguous() if dlse is not None else None, dpsum, lse2)
+    kernels.main(q, k, v, dout, lse2, dpsum, dq_accum, dk, dv, scale, Hq // Hkv,
+                 masks.tensors if masks is not None else None, kernel_aux, scalars, grads, sem, rank)
+    kernels.post(dq_accum, dq, scale)
+    if kernels.grad_dtype == torch.int64:
         from .bwd_aux_grad import from_fixed_point
         grads = [from_fixed_point(b) for b in grads]
     # The kernel sees a 0-d captured tensor as (1,); hand the gradient back in the captured tensor's own shape.

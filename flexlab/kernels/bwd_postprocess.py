@@ -48,7 +48,9 @@ class BwdPostprocess:
 
 
 def fake_arguments(dtype, head_dim: int):
-    """Symbolic-shape stand-ins for compiling without a GPU."""
+    """Symbolic-shape stand-ins for compiling without a GPU, in exactly the layouts `bwd_launch.backward` passes
+    (TVM-FFI checks every call against them): the contiguous fp32 accumulator, dQ shaped like the TMA-ready Q; the
+    stream is torch's current one (TVM-FFI environment stream)."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
     accum = make_fake_compact_tensor(Float32, (cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), head_dim),
@@ -56,4 +58,4 @@ def fake_arguments(dtype, head_dim: int):
     shape = (cute.sym_int32(), cute.sym_int32(), cute.sym_int32(), head_dim)
     stride = (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1)
     dq = make_fake_tensor(dtype, shape, stride, assumed_align=16)
-    return accum, dq, Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=False)
+    return accum, dq, Float32(1.0), make_fake_stream(use_tvm_ffi_env_stream=True)

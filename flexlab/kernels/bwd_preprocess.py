@@ -70,7 +70,9 @@ class BwdPreprocess:
 
 
 def fake_arguments(dtype, head_dim: int, has_dlse: bool):
-    """Symbolic-shape stand-ins for compiling without a GPU (same kinds as the launcher passes)."""
+    """Symbolic-shape stand-ins for compiling without a GPU, in exactly the layouts `bwd_launch.backward` passes
+    (TVM-FFI checks every call against them): O/dO TMA-ready (B, H, S, D), the row buffers (B, H, S) with unit last
+    stride; the stream is torch's current one (TVM-FFI environment stream)."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
     def bhsd():
@@ -83,5 +85,5 @@ def fake_arguments(dtype, head_dim: int, has_dlse: bool):
                                         stride_order=(2, 1, 0), assumed_align=4)
 
     return (bhsd(), bhsd(), rows(), rows() if has_dlse else None, rows(), rows(),
-            make_fake_stream(use_tvm_ffi_env_stream=False))
+            make_fake_stream(use_tvm_ffi_env_stream=True))
 

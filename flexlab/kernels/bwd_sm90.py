@@ -495,7 +495,9 @@ def fake_arguments(cfg: BwdConfig, dtype, block_sparse: bool = False, aux_tensor
     """Symbolic-shape stand-ins for every runtime argument (compile without a GPU, or once for all shapes).
 
     `aux_grad_ranks`: rank of each gradient buffer (the rank of the captured tensor it belongs to); the buffers are
-    fp32, or int64 fixed point (`bwd_aux_grad`) with `fixed_point_aux_grads`."""
+    fp32, or int64 fixed point (`bwd_aux_grad`) with `fixed_point_aux_grads`. The layouts are exactly those
+    `bwd_launch.backward` builds, and TVM-FFI checks every call against them (a static stride the torch tensor does
+    not have is an error at the call, not a silent misread); the stream is torch's current one."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
     hd = cfg.head_dim
@@ -519,11 +521,11 @@ def fake_arguments(cfg: BwdConfig, dtype, block_sparse: bool = False, aux_tensor
     rows = compact(Float32, (sym(), sym(), cute.sym_int32(divisibility=cfg.tile_m)))
     accum = compact(Float32, (sym(), sym(), cute.sym_int32(divisibility=cfg.tile_m), hd), align=16)
     from ..runtime.compile import _cutlass_dtype
-    # Captured tensors arrive row-major with unit stride on the last mode (`bwd_launch` makes them contiguous), the
-    # layout `from_dlpack(...).mark_layout_dynamic(leading_dim=-1)` describes; a fake with a dynamic last stride
-    # would expect one more runtime stride than the launch passes and shift every argument after it.
+    # Captured tensors arrive row-major with unit stride on the last mode (`GeneratedMods.kernel_aux_tensors` makes
+    # them contiguous), aligned to their element size (a contiguous slice of a larger tensor may start anywhere).
     aux_tensors = tuple(make_fake_tensor(_cutlass_dtype(name), tuple(sym() for _ in range(ndim)),
-                                         tuple(cute.sym_int64() for _ in range(ndim - 1)) + (1,))
+                                         tuple(cute.sym_int64() for _ in range(ndim - 1)) + (1,),
+                                         assumed_align=_cutlass_dtype(name).width // 8)
                         for name, ndim in aux_tensor_specs)
     aux_scalars = tuple(Int32(0) if kind == "int" else Float32(0.0) for kind in aux_scalar_kinds)
     grad_dtype, grad_align = (Int64, 8) if fixed_point_aux_grads else (Float32, 4)
@@ -533,4 +535,4 @@ def fake_arguments(cfg: BwdConfig, dtype, block_sparse: bool = False, aux_tensor
     sem = compact(Int32, (sym(), sym(), sym(), cfg.num_consumer_wgs)) if deterministic else None
     rank = compact(Int32, (sym(), sym(), sym(), sym())) if deterministic and block_sparse else None
     return (bhsd(), bhsd(), bhsd(), bhsd(), rows, rows, accum, bhsd(), bhsd(), Float32(1.0), Int32(1), sparse,
-            aux_tensors, aux_scalars, aux_grads, sem, rank, make_fake_stream(use_tvm_ffi_env_stream=False))
+            aux_tensors, aux_scalars, aux_grads, sem, rank, make_fake_stream(use_tvm_ffi_env_stream=True))
