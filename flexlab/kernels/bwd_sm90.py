@@ -15,6 +15,10 @@ stored once, without atomics, and are the same bits on every run.
     warpgroup reduces its half into the fp32 dQ buffer with one TMA reduce-add (`bwd_postprocess` scales it);
   * epilogue: dK (times the softmax scale) and dV go to shared memory over K and V and out with TMA stores.
 
+The kernel's pieces live in one module each: `bwd_producer` (the TMA producer warp), `bwd_step` (the per-step math of
+a consumer warpgroup) and `bwd_dq` (the dQ partial's way to global memory); this module holds the configuration,
+the host launch, the role split, the consumer loop and the dK/dV epilogue.
+
 Query-direction block sparsity comes from torch's BlockMask (q_num_blocks/q_indices and the full_* pair), walked by
 the forward's `KvSchedule` with the roles of Q and KV swapped: partial blocks (mask_mod) first, then full blocks.
 
@@ -27,7 +31,6 @@ CTA only ever waits for CTAs launched before it. Captured-tensor gradients are a
 """
 from __future__ import annotations
 
-import enum
 import math
 from typing import Callable, Optional
 
@@ -37,50 +40,24 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
-from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from .block_sparse import KvSchedule
 from .bwd_config import BwdConfig
-from .fwd_sm90 import wgmma
-from .layout import as_operand_a, bshd_view, convert_to_16bit, rows_view, transpose_smem
-from .mask import apply_mask_mod, mask_kv_tail
-from .score_mod import apply_score_mod
+from .bwd_dq import BwdDqReduce, dq_issuer
+from .bwd_producer import BwdProducer
+from .bwd_step import BwdStep, StepOperands
+from .layout import bshd_view, convert_to_16bit, transpose_smem
+from .named_barrier import BwdBarrier
+
+__all__ = ["BwdBarrier", "FlexBwdSm90", "dq_issuer", "fake_arguments"]
 
 LOG2_E = math.log2(math.e)
 
 
-@dsl_user_op
-def opaque_i32(x: Int32, *, loc=None, ip=None) -> Int32:
-    """x, hidden from the optimizer: index math derived from it is recomputed rather than kept live from earlier."""
-    return Int32(llvm.inline_asm(T.i32(), [Int32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r",
-                                 has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-class BwdBarrier(enum.IntEnum):
-    """Named barrier ids of the backward kernel (0 is `__syncthreads`)."""
-
-    DS_READY = 1  # both consumer warpgroups wrote their half of dS^T to shared memory
-    EPILOGUE = 2  # all GEMMs that read sK/sV are done; dK/dV may overwrite them
-    DQ_READY_WG1 = 3  # one warpgroup's dQ partial is in shared memory, ready for the TMA reduce
-    DQ_READY_WG2 = 4
-
-
-def dq_issuer():
-    """True in the first warp of each consumer warpgroup, which issues that warpgroup's dQ reduce.
-
-    A whole warp, not one thread: the TMA reduce copy elects its issuing lane with `elect.sync` over the full warp,
-    which never completes when only one lane reaches it. The test reads only bits 5 and 6 of the thread index (the
-    warp's place in its warpgroup), so it is the same in every lane and the branch stays convergent. Recomputed at
-    each use rather than kept live through the main loop: at D=128 with a block mask even that one register made the
-    consumers spill."""
-    return (cute.arch.thread_idx()[0] % 128) < 32
-
-
-class FlexBwdSm90:
+class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
     """Compile-time configuration of one backward kernel: tiles, dtype, and the inlined generated mods."""
 
     def __init__(self, cfg: BwdConfig, dtype, score_mod: Optional[Callable] = None,
@@ -227,39 +204,6 @@ class FlexBwdSm90:
                          softmax_scale, log2_scale, aux_tensors, aux_scalars, aux_grads, mdQsem, mRank)
 
     @cute.jit
-    def load(self, mQ, mK, mV, mdO, sQ, sK, sV, sdO, tma_q, tma_k, tma_v, tma_do, pipe_kv, pipe_qdo,
-             n_block: Int32, head_kv: Int32, batch: Int32, qhead_per_kvhead: Int32, num_m_blocks: Int32, sparse):
-        """Producer warp: K and V once, then (Q, dO) per query tile of every query head in the GQA group."""
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
-        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
-                                           cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
-                                           cute.group_modes(gV, 0, 2))
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        pipe_kv.producer_acquire(kv_state)
-        cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-        cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        for g in cutlass.range(qhead_per_kvhead, unroll=1):
-            head = head_kv * qhead_per_kvhead + g
-            gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
-            gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
-            tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
-                                               cute.group_modes(gQ, 0, 2))
-            tdOsdO, tdOgdO = cpasync.tma_partition(tma_do, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2),
-                                                   cute.group_modes(gdO, 0, 2))
-            sched = KvSchedule(sparse, batch, head, n_block, num_m_blocks)
-            for i in cutlass.range(sched.total, unroll=1):
-                m_block = sched.block(i)
-                pipe_qdo.producer_acquire(state)
-                bar = pipe_qdo.producer_get_barrier(state)
-                cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
-                cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar)
-                state.advance()
-
-    @cute.jit
     def consume(self, mQ, mK, mdK, mdV, mdQ, mLSE2, mDpsum, sQ, sK, sV, sdO, sdS, storage, sKV_layout, sdQ_layout,
                 tma_dk, tma_dv, tma_dq, tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma,
                 tiled_mma_dq: cute.TiledMma, pipe_kv, pipe_qdo, tidx: Int32, warp_idx: Int32, n_block: Int32,
@@ -295,6 +239,9 @@ class FlexBwdSm90:
         sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)  # (tile_m, dq_cols, wg)
         tdQsdQ = thr_dq.partition_C(cute.group_modes(sdQ, 1, 3))  # viewed as the (tile_m, head_dim) C tile
         sdQ_mine = sdQ[None, None, wg]
+        ops = StepOperands(tSrK=tSrK, tSrQ=tSrQ, tPrV=tPrV, tPrdO=tPrdO, tVrdOt=tVrdOt, tKrQt=tKrQt, tVrP=tVrP,
+                           tQrdS=tQrdS, tQrKt=tQrKt, s_shape=s_shape, dq_shape=dq_shape, coords=coords, st_ds=st_ds,
+                           thr_st_ds=thr_st_ds, tdSsdS=tdSsdS, tdQsdQ=tdQsdQ)
 
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         kv_start = n_block * self.tile_n
@@ -312,150 +259,15 @@ class FlexBwdSm90:
             order = (mdQsem, mRank, sched.b, sched.h, n_block)
             mods = (batch, head, seqlen_q - 1, seqlen_k - 1, softmax_scale, aux_tensors, aux_scalars, aux_grads, order)
             for i in cutlass.range(sched.total, unroll=1):
-                self.step(sched.block(i), i < sched.num_partial, state, ds_index, tSrK, tSrQ, tPrV, tPrdO, tVrdOt,
-                          tKrQt, tVrP, st_ds, thr_st_ds, tQrdS, tQrKt, acc_dK, acc_dV, s_shape, dq_shape, coords,
-                          tdSsdS, tdQsdQ, tdQs, tdQg, tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_qdo,
-                          mLSE2, mDpsum, kv_start, seqlen_k, log2_scale, mods, wg)
+                self.step(sched.block(i), i < sched.num_partial, state, ds_index, ops, acc_dK, acc_dV, tdQs, tdQg,
+                          tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_qdo, mLSE2, mDpsum, kv_start,
+                          seqlen_k, log2_scale, mods, wg)
                 state.advance()
                 ds_index = 1 - ds_index
         if dq_issuer():
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last dQ reduce has read shared memory
         self.epilogue(acc_dK, acc_dV, softmax_scale, mdK, mdV, storage, sKV_layout, tma_dk, tma_dv,
                       tiled_mma_dkv, tidx, warp_idx, n_block, head_kv, batch)
-
-    @cute.jit
-    def step(self, m_block: Int32, partial, state, ds_index: Int32, tSrK, tSrQ, tPrV, tPrdO, tVrdOt, tKrQt, tVrP,
-             st_ds, thr_st_ds, tQrdS, tQrKt, acc_dK, acc_dV, s_shape, dq_shape, coords, tdSsdS, tdQsdQ, tdQs, tdQg,
-             tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_qdo, mLSE2, mDpsum, kv_start: Int32,
-             seqlen_k: Int32, log2_scale: Float32, mods, wg: Int32):
-        """One query tile against this CTA's keys: S^T, dP^T, P, dS, then dV, dK, and this tile's dQ partial.
-
-        `partial`: the block mask lists this tile as partial, so mask_mod applies (a runtime branch, which keeps
-        one copy of the step in the binary instead of one per block kind)."""
-        batch, head, q_last, kv_last, softmax_scale, aux_tensors, aux_scalars, aux_grads, order = mods
-        q_start = m_block * self.tile_m
-        pipe_qdo.consumer_wait(state)
-        acc_S = cute.make_rmem_tensor(s_shape, Float32)
-        acc_dP = cute.make_rmem_tensor(s_shape, Float32)
-        wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, state.index], True, -1)
-        if cutlass.const_expr(not self.lean):
-            wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, state.index], True, -1)
-            warpgroup.wait_group(1)  # S^T is ready; dP^T is still on the tensor cores
-        else:
-            warpgroup.wait_group(0)
-
-        raw = None
-        if cutlass.const_expr(self.score_mod is not None):
-            raw = cute.make_rmem_tensor(s_shape, Float32)  # the score the mod saw: its derivative needs it
-            raw.store(acc_S.load() * softmax_scale)
-            apply_score_mod(acc_S, coords, self.score_mod, softmax_scale, batch, head, q_start, kv_start, q_last,
-                            kv_last, self.clamp_indices, aux_tensors, aux_scalars)
-        if cutlass.const_expr(self.mask_mod is not None):
-            if partial:
-                apply_mask_mod(acc_S, coords, self.mask_mod, batch, head, q_start, kv_start, q_last, kv_last,
-                               self.clamp_indices, aux_tensors, aux_scalars)
-        if kv_start + self.tile_n > seqlen_k:
-            mask_kv_tail(acc_S, coords, kv_start, seqlen_k)
-
-        # P^T = exp2(x * c - LSE2[q]); each accumulator column is one query row.
-        s_cols, c_cols = rows_view(acc_S), rows_view(coords)
-        for j in cutlass.range_constexpr(cute.size(s_cols, mode=[1])):
-            lse2 = Float32(mLSE2[batch, head, q_start + c_cols[0, j][0]])
-            for r in cutlass.range_constexpr(cute.size(s_cols, mode=[0])):
-                s_cols[r, j] = cute.math.exp2(s_cols[r, j] * log2_scale - lse2, fastmath=True)
-        if cutlass.const_expr(self.lean):
-            # P goes to 16 bits now (its fp32 registers die), and dV += P^T dO runs beside dP^T = V dO^T.
-            rP = cute.make_rmem_tensor_like(acc_S, self.dtype)  # accumulator order; as_operand_a re-views it
-            convert_to_16bit(acc_S, rP)
-            wgmma(tiled_mma_dkv, acc_dV, as_operand_a(rP), tVrdOt[None, None, None, state.index], False, -1)
-            wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, state.index], True, -1)
-            warpgroup.wait_group(0)
-            s_cols = rows_view(rP)
-        else:
-            warpgroup.wait_group(0)
-        # dS^T = P^T * (dP^T - D[q])
-        dp_cols = rows_view(acc_dP)
-        for j in cutlass.range_constexpr(cute.size(dp_cols, mode=[1])):
-            d = Float32(mDpsum[batch, head, q_start + c_cols[0, j][0]])
-            for r in cutlass.range_constexpr(cute.size(dp_cols, mode=[0])):
-                dp_cols[r, j] = Float32(s_cols[r, j]) * (dp_cols[r, j] - d)
-        if cutlass.const_expr(self.score_mod is not None):
-            self.mod_backward(acc_dP, raw, coords, batch, head, q_start, kv_start, q_last, kv_last, aux_tensors,
-                              aux_scalars, aux_grads)
-
-        if cutlass.const_expr(not self.lean):
-            convert_to_16bit(as_operand_a(acc_S), tVrP)
-        rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
-        convert_to_16bit(acc_dP, rdS)
-        cute.copy(st_ds, thr_st_ds.retile(rdS), tdSsdS[None, None, None, ds_index])
-        cute.arch.fence_view_async_shared()  # dS^T in shared memory must be visible to the wgmma async proxy
-
-        if cutlass.const_expr(not self.lean):
-            wgmma(tiled_mma_dkv, acc_dV, tVrP, tVrdOt[None, None, None, state.index], False, -1)
-        wgmma(tiled_mma_dkv, acc_dK, as_operand_a(rdS), tKrQt[None, None, None, state.index], False, -1)
-        if dq_issuer():
-            cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous dQ reduce is done with sdQ
-        cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY), number_of_threads=self.num_consumer_threads)
-        acc_dQ = cute.make_rmem_tensor(dq_shape, Float32)
-        wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_index], tQrKt, True, 0)
-        pipe_qdo.consumer_release(state)
-
-        mine = tdQsdQ[None, None, None]
-        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-            mine[i] = acc_dQ[i]
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_READY_WG1) + wg, number_of_threads=128)
-        if dq_issuer():
-            if cutlass.const_expr(self.deterministic):
-                self.wait_dq_turn(order, batch, head, m_block, wg)
-                cute.arch.sync_warp()  # every lane has seen the turn before the warp-collective copy
-                cute.arch.fence_proxy("async.global")  # the acquire orders the TMA (async proxy) reduce too
-            cute.copy(tma_dq, tdQs, tdQg[None, m_block])  # elects one lane of the warp itself
-            # Every lane commits and waits on its own bulk group (empty for the lanes that issued nothing), so the
-            # lane the copy elected is always covered without knowing which one it was.
-            cute.arch.cp_async_bulk_commit_group()
-            if cutlass.const_expr(self.deterministic):
-                cute.arch.cp_async_bulk_wait_group(0, read=False)  # the reduce has landed in global memory
-                cute.arch.fence_proxy("async.global")  # ... and is ordered before the generic-proxy release
-                cute.arch.sync_warp()
-                if cute.arch.lane_idx() == 0:
-                    mdQsem = order[0]
-                    sem = mdQsem.iterator + cute.crd2idx((batch, head, m_block, wg), mdQsem.layout)
-                    cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
-
-    @cute.jit
-    def wait_dq_turn(self, order, batch: Int32, head: Int32, m_block: Int32, wg: Int32):
-        """Spin until every lower KV tile that visits this Q tile has reduced its dQ half (acquire).
-
-        CTAs are launched KV-tile-slowest, so the ones waited for were launched earlier and can always finish."""
-        mdQsem, mRank, rank_b, rank_h, n_block = order
-        turn = n_block
-        if cutlass.const_expr(mRank is not None):
-            turn = Int32(mRank[rank_b, rank_h, n_block, m_block])
-        sem = mdQsem.iterator + cute.crd2idx((batch, head, m_block, wg), mdQsem.layout)
-        seen = Int32(-1)
-        while seen != turn:
-            seen = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
-
-    @cute.jit
-    def mod_backward(self, acc_ds, raw, coords, batch: Int32, head: Int32, q_start: Int32, kv_start: Int32,
-                     q_last: Int32, kv_last: Int32, aux_tensors, aux_scalars, aux_grads):
-        """Captured-tensor gradients from dS, then dS -> gradient of the raw score (the generated derivative).
-
-        The indices go through `opaque_i32` so the compiler recomputes the mods' address math here instead of keeping
-        every element's address live since the forward mod ran (at D=64 that alone spilled 88 bytes)."""
-        batch, head, q_start, kv_start = (opaque_i32(x) for x in (batch, head, q_start, kv_start))
-        for i in cutlass.range_constexpr(cute.size(acc_ds)):
-            q_idx = q_start + coords[i][0]
-            kv_idx = kv_start + coords[i][1]
-            if cutlass.const_expr(self.clamp_indices):
-                q_idx = cutlass.min(q_idx, q_last)
-                kv_idx = cutlass.min(kv_idx, kv_last)
-            if cutlass.const_expr(self.aux_grad is not None):
-                self.aux_grad(acc_ds[i], raw[i], batch, head, q_idx, kv_idx, aux_tensors, aux_scalars, aux_grads)
-            if cutlass.const_expr(self.score_mod_bwd is not None):
-                acc_ds[i] = Float32(self.score_mod_bwd(acc_ds[i], raw[i], batch, head, q_idx, kv_idx, aux_tensors,
-                                                       aux_scalars))
 
     @cute.jit
     def epilogue(self, acc_dK, acc_dV, softmax_scale: Float32, mdK, mdV, storage, sKV_layout, tma_dk, tma_dv,
