@@ -47,7 +47,7 @@ class BwdDqReduce:
                 self.wait_dq_turn(order, batch, head, m_block, wg)
                 cute.arch.sync_warp()  # every lane has seen the turn before the warp-collective copy
                 cute.arch.fence_proxy("async.global")  # the acquire orders the TMA (async proxy) reduce too
-            cute.copy(tma_dq, tdQs, tdQg[None, m_block])  # elects one lane of the warp itself
+            cute.copy(tma_dq, tdQs, tdQg[None, self.dq_tile_index(m_block, wg)])  # elects one lane itself
             # Every lane commits and waits on its own bulk group (empty for the lanes that issued nothing), so the
             # lane the copy elected is always covered without knowing which one it was.
             cute.arch.cp_async_bulk_commit_group()
@@ -59,6 +59,12 @@ class BwdDqReduce:
                     mdQsem = order[0]
                     sem = mdQsem.iterator + cute.crd2idx((batch, head, m_block, wg), mdQsem.layout)
                     cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
+
+    def dq_tile_index(self, m_block: Int32, wg: Int32):
+        """Which of the (dq_rows, dq_cols) global boxes `tdQg` was cut into this warpgroup reduces into."""
+        if cutlass.const_expr(self.dq_split_rows):
+            return m_block * self.num_wg + wg  # boxes of 64 rows x head_dim: warpgroup wg has rows 64 wg .. 64 wg + 63
+        return m_block  # boxes of tile_m rows x (head_dim / warpgroups); the column block was chosen per warpgroup
 
     @cute.jit
     def wait_dq_slab_free(self):

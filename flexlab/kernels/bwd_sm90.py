@@ -48,7 +48,7 @@ from .block_sparse import KvSchedule
 from .bwd_config import BwdConfig
 from .bwd_dq import BwdDqReduce, dq_issuer
 from .bwd_producer import BwdProducer
-from .bwd_step import BwdStep, StepOperands
+from .bwd_step import BwdStep, StepOperands, opaque_i32
 from .layout import bshd_view, convert_to_16bit, transpose_smem
 from .named_barrier import BwdBarrier
 
@@ -77,10 +77,40 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         self.num_wg = cfg.num_consumer_wgs
         self.num_consumer_threads = 128 * self.num_wg
         self.producer_regs, self.consumer_regs = cfg.register_split
-        self.dq_cols = self.head_dim // self.num_wg  # dQ columns per consumer warpgroup
-        # Lean register plan (a score_mod at D=128): fp32 dK+dV, S, dP and the pre-mod scores do not fit in 240
-        # registers together, so dP^T is computed only after P is formed, and P is kept in 16 bits from then on.
-        self.lean = score_mod is not None and self.head_dim > 64
+        self.stats_in_smem, self.dk_after_dq = cfg.stats_in_smem, cfg.dk_after_dq
+        self.kv_tiles_first, self.dq_split_rows = cfg.kv_tiles_first, cfg.dq_split_rows
+        # Each consumer warpgroup's box of the dQ partial: all tile_m rows and head_dim / warpgroups columns, or (with
+        # dq_split_rows) 64 rows and every column.
+        self.dq_rows = 64 if self.dq_split_rows else self.tile_m
+        self.dq_cols = self.head_dim if self.dq_split_rows else self.head_dim // self.num_wg
+        # The options' extra live registers (row-statistics addresses, dK's register operand beside the dQ store)
+        # made the dS store's swizzled base address spill at D=128 (one reload per step); it is rebuilt in every
+        # step from the thread index instead (a few integer instructions).
+        self.rebuild_ds_store = self.stats_in_smem or self.dk_after_dq
+        # Lean register plan (a score_mod at D=128, or at D=64 with 128-row query tiles): fp32 dK+dV (head_dim per
+        # thread), S, dP and the pre-mod scores (tile_m / 2 each) do not fit in 240 registers together, so dP^T is
+        # computed only after P is formed, and P is kept in 16 bits from then on.
+        self.lean = score_mod is not None and self.head_dim + self.tile_m > 128
+
+    def stats_bytes(self) -> int:
+        """Bytes of LSE2 and D rows that land with each Q/dO stage (0 unless stats_in_smem)."""
+        return 2 * self.tile_m * 4 if self.stats_in_smem else 0
+
+    def shared_storage(self, sKV_layout, sQ_layout, sdS_layout, sdQ_layout):
+        """The shared-memory struct (mirrored by `BwdConfig.smem_bytes`): mbarriers and the optional per-stage
+        LSE2/D rows first, then the tile buffers, 1 KiB aligned for the 128-byte swizzle."""
+        Align, MemRange = cute.struct.Align, cute.struct.MemRange
+        fields = {"mbar_kv": MemRange[Int64, 2], "mbar_qdo": MemRange[Int64, 2 * self.num_stages]}
+        if self.stats_in_smem:  # bulk-copy destinations: 16-byte aligned
+            rows = self.tile_m * self.num_stages
+            fields.update(sLSE2=Align[MemRange[Float32, rows], 16], sDpsum=Align[MemRange[Float32, rows], 16])
+        for name, dtype, layout in (("sK", self.dtype, sKV_layout), ("sV", self.dtype, sKV_layout),
+                                    ("sQ", self.dtype, sQ_layout), ("sdO", self.dtype, sQ_layout),
+                                    ("sdS", self.dtype, sdS_layout), ("sdQ", Float32, sdQ_layout)):
+            fields[name] = Align[MemRange[dtype, cute.cosize(layout)], 1024]
+        # Built from a dict (not a class body) so the field list can depend on the configuration.
+        Storage = cute.struct(type("Storage", (), {"__annotations__": fields}))
+        return Storage
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -100,9 +130,10 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         tiled_mma_dkv = sm90_utils.make_trivial_tiled_mma(  # dV += P^T dO, dK += dS^T Q (A from registers)
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
             atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, hd), a_source=warpgroup.OperandSource.RMEM)
-        tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(  # dQ = dS K, head dim split over the warpgroups
+        tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(  # dQ = dS K, head dim (or query rows) split over the WGs
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-            atom_layout_mnk=(1, self.num_wg, 1), tiler_mn=(64, self.dq_cols))
+            atom_layout_mnk=(self.num_wg, 1, 1) if self.dq_split_rows else (1, self.num_wg, 1),
+            tiler_mn=(64, self.dq_cols))
 
         atom_d = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, hd), self.dtype)
@@ -111,14 +142,14 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         sKV_layout = cute.tile_to_shape(atom_d, (tile_n, hd), order=(0, 1))
         sQ_layout = cute.tile_to_shape(atom_d, (tile_m, hd, self.num_stages), order=(0, 1, 2))
         sdS_layout = cute.tile_to_shape(atom_ds, (tile_m, tile_n, 2), order=(0, 1, 2))
-        # fp32 dQ partials, one (tile_m, dq_cols) slab per warpgroup, 128-byte swizzled so that the accumulator's
+        # fp32 dQ partials, one (dq_rows, dq_cols) slab per warpgroup, 128-byte swizzled so that the accumulator's
         # row-strided stores do not all land in the same banks (TMA undoes the swizzle on the way out). The lean
         # plan keeps it unswizzled: the swizzled addresses cost registers it does not have.
         dq_kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, Float32, self.dq_cols)
-        if cutlass.const_expr(self.lean):
+        if cutlass.const_expr(self.lean or self.dk_after_dq):
             dq_kind = warpgroup.SmemLayoutAtomKind.K_INTER
         atom_dq = warpgroup.make_smem_layout_atom(dq_kind, Float32)
-        sdQ_layout = cute.tile_to_shape(atom_dq, (tile_m, self.dq_cols, self.num_wg), order=(0, 1, 2))
+        sdQ_layout = cute.tile_to_shape(atom_dq, (self.dq_rows, self.dq_cols, self.num_wg), order=(0, 1, 2))
 
         load_op, store_op = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         one_stage = cute.select(sQ_layout, mode=[0, 1])
@@ -129,23 +160,22 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         tma_dk, mdK_t = cpasync.make_tiled_tma_atom(store_op, mdK, sKV_layout, (tile_n, hd))
         tma_dv, mdV_t = cpasync.make_tiled_tma_atom(store_op, mdV, sKV_layout, (tile_n, hd))
         tma_dq, mdQ_t = cpasync.make_tiled_tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum,
-                                                    cute.select(sdQ_layout, mode=[0, 1]), (tile_m, self.dq_cols))
-
-        @cute.struct
-        class Storage:
-            mbar_kv: cute.struct.MemRange[Int64, 2]
-            mbar_qdo: cute.struct.MemRange[Int64, 2 * self.num_stages]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
+                                                    cute.select(sdQ_layout, mode=[0, 1]),
+                                                    (self.dq_rows, self.dq_cols))
+        if cutlass.const_expr(self.stats_in_smem):
+            # The producer's bulk copies of LSE2/D rows need 16-byte aligned sources. Row offsets are multiples of
+            # tile_m * 4 bytes (the launcher pads rows to whole tiles) and torch allocations are 256-byte aligned.
+            mLSE2, mDpsum = [cute.make_tensor(cute.make_ptr(Float32, t.iterator.toint(), cute.AddressSpace.gmem,
+                                                            assumed_align=16), t.layout) for t in (mLSE2, mDpsum)]
+        Storage = self.shared_storage(sKV_layout, sQ_layout, sdS_layout, sdQ_layout)
 
         # P = exp2(x * c - LSE2): x is the raw score (c folds in the softmax scale) or the modded, scaled score.
         log2_scale = Float32(LOG2_E) if cutlass.const_expr(self.score_mod is not None) else softmax_scale * LOG2_E
-        # Grid (KV heads, batch, KV tiles): the heads of one KV tile run side by side and share Q/dO reads in L2.
+        # Grid (KV heads, batch, KV tiles), or with kv_tiles_first (KV tiles, KV heads, batch). Either way a lower
+        # KV tile of the same (batch, head) is launched earlier, which deterministic mode's dQ ordering relies on.
         grid = [cute.size(mK.shape[2]), cute.size(mK.shape[3]), cute.ceil_div(mK.shape[0], tile_n)]
+        if cutlass.const_expr(self.kv_tiles_first):
+            grid = [cute.ceil_div(mK.shape[0], tile_n), cute.size(mK.shape[2]), cute.size(mK.shape[3])]
         self.kernel(mQ_t, mK_t, mV_t, mdO_t, mdK_t, mdV_t, mdQ_t, mLSE2, mDpsum, tma_q, tma_k, tma_v, tma_do,
                     tma_dk, tma_dv, tma_dq, softmax_scale, log2_scale, qhead_per_kvhead, sparse, aux_tensors,
                     aux_scalars, aux_grads, mdQsem, mRank, sKV_layout, sQ_layout, sdS_layout, sdQ_layout,
@@ -177,7 +207,7 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
             consumer_group=consumer_warps, tx_count=2 * kv_bytes, defer_sync=True)
         pipe_qdo = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_qdo.data_ptr(), num_stages=self.num_stages, producer_group=tma_thread,
-            consumer_group=consumer_warps, tx_count=2 * q_bytes, defer_sync=True)
+            consumer_group=consumer_warps, tx_count=2 * q_bytes + self.stats_bytes(), defer_sync=True)
         pipeline.pipeline_init_arrive()
 
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
@@ -185,7 +215,14 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        head_kv, batch, n_block = cute.arch.block_idx()
+        stats = None  # (mLSE2, mDpsum, sLSE2, sDpsum) when the row statistics travel through shared memory
+        if cutlass.const_expr(self.stats_in_smem):
+            rows = cute.make_layout((self.tile_m, self.num_stages))
+            stats = (mLSE2, mDpsum, storage.sLSE2.get_tensor(rows), storage.sDpsum.get_tensor(rows))
+        if cutlass.const_expr(self.kv_tiles_first):
+            n_block, head_kv, batch = cute.arch.block_idx()
+        else:
+            head_kv, batch, n_block = cute.arch.block_idx()
         head_kv, batch, n_block = Int32(head_kv), Int32(batch), Int32(n_block)
         num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
         pipeline.pipeline_init_wait()
@@ -194,21 +231,22 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.load(mQ, mK, mV, mdO, sQ, sK, sV, sdO, tma_q, tma_k, tma_v, tma_do, pipe_kv, pipe_qdo,
-                          n_block, head_kv, batch, qhead_per_kvhead, num_m_blocks, sparse)
+                          n_block, head_kv, batch, qhead_per_kvhead, num_m_blocks, sparse, stats)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             tidx = cute.arch.thread_idx()[0] - 128
             self.consume(mQ, mK, mdK, mdV, mdQ, mLSE2, mDpsum, sQ, sK, sV, sdO, sdS, storage, sKV_layout, sdQ_layout,
                          tma_dk, tma_dv, tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_kv, pipe_qdo,
                          tidx, warp_idx, n_block, head_kv, batch, qhead_per_kvhead, num_m_blocks, sparse,
-                         softmax_scale, log2_scale, aux_tensors, aux_scalars, aux_grads, mdQsem, mRank)
+                         softmax_scale, log2_scale, aux_tensors, aux_scalars, aux_grads, mdQsem, mRank, stats)
 
     @cute.jit
     def consume(self, mQ, mK, mdK, mdV, mdQ, mLSE2, mDpsum, sQ, sK, sV, sdO, sdS, storage, sKV_layout, sdQ_layout,
                 tma_dk, tma_dv, tma_dq, tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma,
                 tiled_mma_dq: cute.TiledMma, pipe_kv, pipe_qdo, tidx: Int32, warp_idx: Int32, n_block: Int32,
                 head_kv: Int32, batch: Int32, qhead_per_kvhead: Int32, num_m_blocks: Int32, sparse,
-                softmax_scale: Float32, log2_scale: Float32, aux_tensors, aux_scalars, aux_grads, mdQsem, mRank):
+                softmax_scale: Float32, log2_scale: Float32, aux_tensors, aux_scalars, aux_grads, mdQsem, mRank,
+                stats):
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
         wg_sdp = tiled_mma_sdp.get_slice(wg * 128)
@@ -236,12 +274,27 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         thr_st_ds = cute.make_tiled_copy_C(st_ds, tiled_mma_sdp).get_slice(tidx)
         tdSsdS = thr_st_ds.partition_D(transpose_smem(sdS))
         thr_dq = tiled_mma_dq.get_slice(tidx)
-        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)  # (tile_m, dq_cols, wg)
-        tdQsdQ = thr_dq.partition_C(cute.group_modes(sdQ, 1, 3))  # viewed as the (tile_m, head_dim) C tile
+        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)  # (dq_rows, dq_cols, wg)
+        if cutlass.const_expr(self.dq_split_rows):  # viewed as the (tile_m, head_dim) C tile: row = r + 64 wg
+            tdQsdQ = thr_dq.partition_C(cute.composition(sdQ, cute.make_layout(
+                ((self.dq_rows, self.num_wg), self.head_dim), stride=((1, self.dq_rows * self.head_dim),
+                                                                      self.dq_rows))))
+        else:  # viewed as the (tile_m, head_dim) C tile: column = c + dq_cols wg
+            tdQsdQ = thr_dq.partition_C(cute.group_modes(sdQ, 1, 3))
         sdQ_mine = sdQ[None, None, wg]
+        dq_col_block = wg  # the column block of the global dQ tile this warpgroup reduces into
+        if cutlass.const_expr(self.dq_split_rows):
+            dq_col_block = 0  # (every column; the row block is chosen per step, `dq_tile_index`)
+        sLSE2 = sDpsum = None
+        if cutlass.const_expr(stats is not None):
+            sLSE2, sDpsum = stats[2], stats[3]
         ops = StepOperands(tSrK=tSrK, tSrQ=tSrQ, tPrV=tPrV, tPrdO=tPrdO, tVrdOt=tVrdOt, tKrQt=tKrQt, tVrP=tVrP,
                            tQrdS=tQrdS, tQrKt=tQrKt, s_shape=s_shape, dq_shape=dq_shape, coords=coords, st_ds=st_ds,
-                           thr_st_ds=thr_st_ds, tdSsdS=tdSsdS, tdQsdQ=tdQsdQ)
+                           thr_st_ds=thr_st_ds, tdSsdS=tdSsdS, tdQsdQ=tdQsdQ, sLSE2=sLSE2, sDpsum=sDpsum)
+        if cutlass.const_expr(self.rebuild_ds_store):
+            ops.tdSsdS = None
+            ops.ds_store_view = lambda: cute.make_tiled_copy_C(st_ds, tiled_mma_sdp).get_slice(
+                opaque_i32(cute.arch.thread_idx()[0]) - 128).partition_D(transpose_smem(sdS))
 
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         kv_start = n_block * self.tile_n
@@ -253,7 +306,7 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         for g in cutlass.range(qhead_per_kvhead, unroll=1):
             head = head_kv * qhead_per_kvhead + g
             sched = KvSchedule(sparse, batch, head, n_block, num_m_blocks)
-            gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.tile_m, self.dq_cols), (None, wg))
+            gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.dq_rows, self.dq_cols), (None, dq_col_block))
             tdQs, tdQg = cpasync.tma_partition(tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ_mine, 0, 2),
                                                cute.group_modes(gdQ, 0, 2))
             order = (mdQsem, mRank, sched.b, sched.h, n_block)

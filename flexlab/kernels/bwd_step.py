@@ -35,8 +35,9 @@ def opaque_i32(x: Int32, *, loc=None, ip=None) -> Int32:
 class StepOperands(SimpleNamespace):
     """The per-thread views one step works on, built once per CTA by `consume` and only read inside the loop:
     smem-descriptor fragments (tSrK, tSrQ, tPrV, tPrdO, tVrdOt, tKrQt, tQrdS, tQrKt), the register A fragment of P
-    (tVrP), the dS store (st_ds, thr_st_ds, tdSsdS), the dQ slab view (tdQsdQ), the accumulator shapes (s_shape,
-    dq_shape) and the (q, kv) coordinates of the transposed score accumulator (coords)."""
+    (tVrP), the dS store (st_ds, thr_st_ds, and tdSsdS or a `ds_store_view()` that rebuilds it), the dQ slab view (tdQsdQ), the accumulator shapes (s_shape,
+    dq_shape), the (q, kv) coordinates of the transposed score accumulator (coords) and, with stats_in_smem, the
+    per-stage LSE2/D rows in shared memory (sLSE2, sDpsum; None otherwise)."""
 
 
 class BwdStep:
@@ -79,7 +80,7 @@ class BwdStep:
         # P^T = exp2(x * c - LSE2[q]); each accumulator column is one query row.
         s_cols, c_cols = rows_view(acc_S), rows_view(coords)
         for j in cutlass.range_constexpr(cute.size(s_cols, mode=[1])):
-            lse2 = Float32(mLSE2[batch, head, q_start + c_cols[0, j][0]])
+            lse2 = self.row_stat(mLSE2, ops.sLSE2, batch, head, q_start, c_cols[0, j][0], state.index)
             for r in cutlass.range_constexpr(cute.size(s_cols, mode=[0])):
                 s_cols[r, j] = cute.math.exp2(s_cols[r, j] * log2_scale - lse2, fastmath=True)
         if cutlass.const_expr(self.lean):
@@ -95,7 +96,7 @@ class BwdStep:
         # dS^T = P^T * (dP^T - D[q])
         dp_cols = rows_view(acc_dP)
         for j in cutlass.range_constexpr(cute.size(dp_cols, mode=[1])):
-            d = Float32(mDpsum[batch, head, q_start + c_cols[0, j][0]])
+            d = self.row_stat(mDpsum, ops.sDpsum, batch, head, q_start, c_cols[0, j][0], state.index)
             for r in cutlass.range_constexpr(cute.size(dp_cols, mode=[0])):
                 dp_cols[r, j] = Float32(s_cols[r, j]) * (dp_cols[r, j] - d)
         if cutlass.const_expr(self.score_mod is not None):
@@ -106,18 +107,36 @@ class BwdStep:
             convert_to_16bit(as_operand_a(acc_S), ops.tVrP)
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
         convert_to_16bit(acc_dP, rdS)
-        cute.copy(ops.st_ds, ops.thr_st_ds.retile(rdS), ops.tdSsdS[None, None, None, ds_index])
+        tdSsdS = ops.tdSsdS if ops.tdSsdS is not None else ops.ds_store_view()
+        cute.copy(ops.st_ds, ops.thr_st_ds.retile(rdS), tdSsdS[None, None, None, ds_index])
         cute.arch.fence_view_async_shared()  # dS^T in shared memory must be visible to the wgmma async proxy
 
         if cutlass.const_expr(not self.lean):
             wgmma(tiled_mma_dkv, acc_dV, ops.tVrP, ops.tVrdOt[None, None, None, state.index], False, -1)
-        wgmma(tiled_mma_dkv, acc_dK, as_operand_a(rdS), ops.tKrQt[None, None, None, state.index], False, -1)
+        if cutlass.const_expr(not self.dk_after_dq):
+            wgmma(tiled_mma_dkv, acc_dK, as_operand_a(rdS), ops.tKrQt[None, None, None, state.index], False, -1)
         self.wait_dq_slab_free()
         cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY), number_of_threads=self.num_consumer_threads)
         acc_dQ = cute.make_rmem_tensor(ops.dq_shape, Float32)
-        wgmma(tiled_mma_dq, acc_dQ, ops.tQrdS[None, None, None, ds_index], ops.tQrKt, True, 0)
-        pipe_qdo.consumer_release(state)
-        self.reduce_dq(acc_dQ, ops.tdQsdQ, tdQs, tdQg, tma_dq, m_block, order, batch, head, wg)
+        if cutlass.const_expr(self.dk_after_dq):
+            # dQ first, then dK; waiting for all but the newest group leaves dK on the tensor cores while the dQ
+            # partial goes to shared memory and TMA. The stage (Q is dK's B operand) is released once dK is done.
+            wgmma(tiled_mma_dq, acc_dQ, ops.tQrdS[None, None, None, ds_index], ops.tQrKt, True, -1)
+            wgmma(tiled_mma_dkv, acc_dK, as_operand_a(rdS), ops.tKrQt[None, None, None, state.index], False, 1)
+            self.reduce_dq(acc_dQ, ops.tdQsdQ, tdQs, tdQg, tma_dq, m_block, order, batch, head, wg)
+            warpgroup.wait_group(0)
+            pipe_qdo.consumer_release(state)
+        else:
+            wgmma(tiled_mma_dq, acc_dQ, ops.tQrdS[None, None, None, ds_index], ops.tQrKt, True, 0)
+            pipe_qdo.consumer_release(state)
+            self.reduce_dq(acc_dQ, ops.tdQsdQ, tdQs, tdQg, tma_dq, m_block, order, batch, head, wg)
+
+    def row_stat(self, mRows, sRows, batch: Int32, head: Int32, q_start: Int32, q: Int32, stage: Int32) -> Float32:
+        """LSE2 or D of query row q of this tile: from this stage's shared-memory copy (stats_in_smem) or from the
+        padded global buffer (a plain trace-time helper: the choice is static)."""
+        if sRows is not None:
+            return Float32(sRows[q, stage])
+        return Float32(mRows[batch, head, q_start + q])
 
     @cute.jit
     def mod_backward(self, acc_ds, raw, coords, batch: Int32, head: Int32, q_start: Int32, kv_start: Int32,
