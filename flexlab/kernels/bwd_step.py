@@ -35,9 +35,10 @@ def opaque_i32(x: Int32, *, loc=None, ip=None) -> Int32:
 class StepOperands(SimpleNamespace):
     """The per-thread views one step works on, built once per CTA by `consume` and only read inside the loop:
     smem-descriptor fragments (tSrK, tSrQ, tPrV, tPrdO, tVrdOt, tKrQt, tQrdS, tQrKt), the register A fragment of P
-    (tVrP), the dS store (st_ds, thr_st_ds, and tdSsdS or a `ds_store_view()` that rebuilds it), the dQ slab view (tdQsdQ), the accumulator shapes (s_shape,
-    dq_shape), the (q, kv) coordinates of the transposed score accumulator (coords) and, with stats_in_smem, the
-    per-stage LSE2/D rows in shared memory (sLSE2, sDpsum; None otherwise)."""
+    (tVrP), the dS store (st_ds, thr_st_ds, and tdSsdS, or None and a `ds_store_view()` that rebuilds it), the dQ
+    slab view (tdQsdQ), the accumulator shapes (s_shape, dq_shape), the (q, kv) coordinates of the transposed score
+    accumulator (coords) and, with stats_in_smem, the per-stage LSE2/D rows in shared memory (sLSE2, sDpsum; None
+    otherwise)."""
 
 
 class BwdStep:

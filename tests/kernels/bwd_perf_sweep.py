@@ -3,9 +3,10 @@ check each one's gradients, in one command:
 
     python tests/kernels/bwd_perf_sweep.py OUT.json --budget 480
 
-Rows (bf16, H=16, MHA): D=128 dense and causal at B4·S4k and B1·S16k, sliding window 1024 at B4·S4k, D=64 dense and
-causal at B1·S16k; plus deterministic mode (default and `combined`) on the D=128 B4·S4k rows and D=64 causal. Columns: the
-named configurations of `bwd_config.candidate_bwd_configs(D)` (`default` first). For each (row, configuration):
+Rows (bf16, H=16, MHA): D=128 dense and causal at B4·S4k and B1·S16k, D=64 dense and causal at B1·S16k, sliding
+window 1024 at B4·S4k; plus deterministic mode (default and `combined`) on the D=128 B4·S4k rows and D=64 causal.
+Columns: the named configurations of `bwd_config.candidate_bwd_configs(D)` (`default` first). For each (row,
+configuration):
 
   * the backward exactly as the launcher runs it (`bwd_launch.backward`: preprocess, main kernel, postprocess), with
     the launcher's configuration swapped for the candidate. O and LSE come from a float64 forward, so no forward
@@ -207,8 +208,8 @@ def _kernel_times(fn, iters: int = 5) -> dict:
 
 
 def run_case(case: str, problems: dict, outputs: dict) -> dict:
-    if case.startswith("selftest/"):  # the watchdog's own test, no GPU: one case hangs
-        if case == "selftest/hang":
+    if case.startswith("selftest/"):  # the watchdog's own test, no GPU: one configuration hangs
+        if case.startswith("selftest/hang"):
             time.sleep(3600)
         return {"case": case, "row": "selftest", "variant": case.split("/")[1], "deterministic": False,
                 "status": "ok", "wall_ms": 1.0, "wall_tflops": 1.0, "first_call_s": 0.0}
@@ -317,6 +318,21 @@ def _spawn(cases: list[str]):
     return proc, lines
 
 
+def _drop_variant(case: str, todo: list[str], records: list[dict]) -> list[str]:
+    """A configuration that hung or crashed once would do it again on every row (each costs a case timeout and a
+    fresh child): its remaining cases are recorded as skipped. The default is always kept."""
+    parts = case.split("/")
+    if len(parts) < 2 or parts[1] == "default":
+        return todo
+    keep = []
+    for c in todo:
+        if c.split("/")[1:2] == parts[1:2]:
+            records.append({"case": c, "status": "skipped", "message": f"{parts[1]} hung or crashed in {case}"})
+        else:
+            keep.append(c)
+    return keep
+
+
 def sweep(cases: list[str], case_timeout: float, deadline: float, save) -> list[dict]:
     """Run the cases in order in watched subprocesses. A silent case is killed and recorded as a timeout; a child
     that dies (or leaves after a CUDA error, which poisons its context) is replaced by a fresh one for the rest."""
@@ -338,6 +354,7 @@ def sweep(cases: list[str], case_timeout: float, deadline: float, save) -> list[
                                 f"({why}): hung or still compiling", "output_tail": "".join(tail[-40:])})
                 print(f"  {name}: TIMEOUT after {limit:.0f} s", flush=True)
                 todo.remove(name)
+                todo = _drop_variant(name, todo, records)
                 save(records)
                 break
             if line is None:  # the child exited
@@ -347,6 +364,7 @@ def sweep(cases: list[str], case_timeout: float, deadline: float, save) -> list[
                                     f"{proc.returncode} during the case", "output_tail": "".join(tail[-40:])})
                     print(f"  {current}: CRASHED (exit {proc.returncode})", flush=True)
                     todo.remove(current)
+                    todo = _drop_variant(current, todo, records)
                     save(records)
                 elif todo and not progressed:  # it cannot even start: do not respawn forever
                     for c in todo:
@@ -425,8 +443,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out", nargs="?", default="bwd_perf_sweep.json", help="JSON records (rewritten after each case)")
     ap.add_argument("--budget", type=float, default=480.0, help="overall seconds (default 480)")
-    ap.add_argument("--case-timeout", type=float, default=90.0,
-                    help="seconds a case may go without progress, compile included (default 90)")
+    ap.add_argument("--case-timeout", type=float, default=60.0,
+                    help="seconds a case may go without progress, compile included (default 60)")
     ap.add_argument("--cases", default="", help="comma-separated subset of case names (row/variant[/det])")
     ap.add_argument("--list", action="store_true", help="print the case names and exit")
     ap.add_argument("--selftest", action="store_true", help=argparse.SUPPRESS)  # watchdog test, no GPU
@@ -435,7 +453,8 @@ def main(argv=None):
     if args.child is not None:
         child([c for c in args.child.split(",") if c])
         return 0
-    cases = ["selftest/ok", "selftest/hang", "selftest/after"] if args.selftest else case_list()
+    cases = (["selftest/ok", "selftest/hang", "selftest/after", "selftest/hang/det"] if args.selftest
+             else case_list())
     if args.list:
         print("\n".join(cases))
         return 0
