@@ -4,9 +4,9 @@ check each one's gradients, in one command:
     python tests/kernels/bwd_perf_sweep.py OUT.json --budget 480
 
 Rows (bf16, H=16, MHA): D=128 dense and causal at B4·S4k and B1·S16k, D=64 dense and causal at B1·S16k, sliding
-window 1024 at B4·S4k; plus deterministic mode (default and `combined`) on the D=128 B4·S4k rows and D=64 causal.
-Columns: the named configurations of `bwd_config.candidate_bwd_configs(D)` (`default` first). For each (row,
-configuration):
+window 1024 at B4·S4k, a tanh soft-cap score_mod at B2·S2k (D=128 and 64); plus deterministic mode (default and
+`combined`) on the D=128 B4·S4k rows and D=64 causal. Columns: the named configurations of
+`bwd_config.candidate_bwd_configs(D)` (`default` first). For each (row, configuration):
 
   * the backward exactly as the launcher runs it (`bwd_launch.backward`: preprocess, main kernel, postprocess), with
     the launcher's configuration swapped for the candidate. O and LSE come from a float64 forward, so no forward
@@ -41,10 +41,13 @@ import threading
 import time
 import traceback
 
+import torch
+
 GRAD_TOL = 2e-2
 TAG = "SWEEP "
 STARTUP_S = 120.0
 WINDOW = 1024
+SOFTCAP = 20.0
 
 # (name, head dim, batch, sequence length, mask), most important first: a spent budget skips the tail
 ROWS = [
@@ -55,6 +58,12 @@ ROWS = [
     ("d64-dense-B1-S16k", 64, 1, 16384, "dense"),
     ("d64-causal-B1-S16k", 64, 1, 16384, "causal"),
     ("d128-sliding1024-B4-S4k", 128, 4, 4096, "sliding"),
+]
+# Run last: a score_mod (its generated derivative, and the lean register plan at D=128 and at D=64 with 128-row
+# tiles), mostly for correctness; small, so quick.
+SCORE_MOD_ROWS = [
+    ("d128-softcap-B2-S2k", 128, 2, 2048, "softcap"),
+    ("d64-softcap-B2-S2k", 64, 2, 2048, "softcap"),
 ]
 HEADS = 16
 DETERMINISTIC_ROWS = ("d128-dense-B4-S4k", "d128-causal-B4-S4k", "d64-causal-B1-S16k")
@@ -68,6 +77,8 @@ def case_list() -> list[str]:
         cases += [f"{name}/{v}" for v in candidate_bwd_configs(D)]
     for name in DETERMINISTIC_ROWS:
         cases += [f"{name}/{v}/det" for v in DETERMINISTIC_VARIANTS]
+    for name, D, *_ in SCORE_MOD_ROWS:
+        cases += [f"{name}/{v}" for v in candidate_bwd_configs(D)]
     return cases
 
 
@@ -88,8 +99,16 @@ def _mask_fn(kind: str):
     return None
 
 
+def softcap_score(score, b, h, q_idx, kv_idx):
+    return SOFTCAP * torch.tanh(score / SOFTCAP)
+
+
+def _score_mod_fn(kind: str):
+    return softcap_score if kind == "softcap" else None
+
+
 def _density(kind: str, S: int) -> float:
-    if kind == "dense":
+    if kind in ("dense", "softcap"):
         return 1.0
     if kind == "causal":
         return (S + 1) / (2 * S)
@@ -100,7 +119,7 @@ def _density(kind: str, S: int) -> float:
 def _keep(kind: str, S: int, device):
     """Boolean (S, S) mask of kept (q, kv) pairs, or None when dense."""
     import torch
-    if kind == "dense":
+    if kind in ("dense", "softcap"):
         return None
     q = torch.arange(S, device=device)[:, None]
     kv = torch.arange(S, device=device)[None, :]
@@ -115,12 +134,17 @@ def _grad_error(a, b) -> float:
     return float((a - b).norm() / max(float(b.norm()), 1e-2 * b.numel() ** 0.5))
 
 
-def float64_head(q, k, v, dout, scale: float, keep, with_grads: bool):
+def float64_head(q, k, v, dout, scale: float, keep, with_grads: bool, softcap: float | None = None):
     """O, LSE (natural log) and, if asked, (dq, dk, dv) of one (batch, head) in float64; `keep` (Sq, Skv) bool or
-    None. Every query row must keep at least one key."""
+    None; `softcap`: scores become softcap * tanh(s / softcap). Every query row must keep at least one key."""
     import torch
     q, k, v, do = (t.double() for t in (q, k, v, dout))
     p = (q @ k.T).mul_(scale)  # the scores, turned into probabilities in place (S16k: 2 GB per matrix)
+    dmod = None  # d(modded score) / d(raw score)
+    if softcap is not None:
+        t = torch.tanh(p / softcap)
+        dmod = 1 - t * t
+        p = t.mul_(softcap)
     if keep is not None:
         p.masked_fill_(~keep, -math.inf)
     lse = torch.logsumexp(p, dim=-1)
@@ -130,6 +154,8 @@ def float64_head(q, k, v, dout, scale: float, keep, with_grads: bool):
     if with_grads:
         dv = p.T @ do
         ds = (do @ v.T).sub_((do * o).sum(-1, keepdim=True)).mul_(p)
+        if dmod is not None:
+            ds.mul_(dmod)
         grads = (ds @ k * scale, ds.T @ q * scale, dv)
     return o, lse, grads
 
@@ -160,14 +186,14 @@ class Problem:
         for b in range(B):
             for h in range(HEADS):
                 o, lse, grads = float64_head(*(t[b, h] for t in (self.q, self.k, self.v, self.dout)), self.scale,
-                                             keep, (b, h) in checked)
+                                             keep, (b, h) in checked, SOFTCAP if kind == "softcap" else None)
                 self.out[b, h] = o.to(torch.bfloat16)
                 self.lse[b, h] = lse.float()
                 if grads is not None:
                     self.ref[(b, h)] = grads
             _emit("progress", what=f"{name}: float64 forward, batch {b}")
         mask_mod = _mask_fn(kind)
-        self.entry = _ops.mod_entry(_ops.register_mods(None, mask_mod))
+        self.entry = _ops.mod_entry(_ops.register_mods(_score_mod_fn(kind), mask_mod))
         self.masks, self.sizes = [], []
         if mask_mod is not None:
             bm = flexlab.create_block_mask(mask_mod, 1, 1, S, S, device="cuda")
@@ -178,8 +204,9 @@ class Problem:
 
     def backward(self, deterministic: bool):
         from flexlab.kernels import bwd_launch
-        return bwd_launch.backward(self.dout, self.q, self.k, self.v, self.out, self.lse, None, self.entry, [],
-                                   self.masks, self.sizes, self.scale, [], deterministic)[:3]
+        return bwd_launch.backward(self.dout, self.q, self.k, self.v, self.out, self.lse, None, self.entry,
+                                   self.entry.aux_tensors, self.masks, self.sizes, self.scale,
+                                   self.entry.aux_scalars, deterministic)[:3]
 
 
 def _kernel_times(fn, iters: int = 5) -> dict:
@@ -220,7 +247,7 @@ def run_case(case: str, problems: dict, outputs: dict) -> dict:
     from flexlab.kernels.bwd_config import candidate_bwd_configs
     row, variant, *flags = case.split("/")
     det = "det" in flags
-    spec = next(r for r in ROWS if r[0] == row)
+    spec = next(r for r in ROWS + SCORE_MOD_ROWS if r[0] == row)
     name, D, B, S, kind = spec
     cfg = candidate_bwd_configs(D)[variant]
     rec = {"case": case, "row": row, "variant": variant, "deterministic": det, "config": repr(cfg),
@@ -287,8 +314,10 @@ def child(cases: list[str]):
     problems, outputs = {}, {}
     for case in cases:
         _emit("start", name=case)
+        t0 = time.perf_counter()
         try:
             rec = run_case(case, problems, outputs)
+            rec["case_s"] = round(time.perf_counter() - t0, 2)
         except Exception as e:  # noqa: BLE001 - every failure is a record, the sweep goes on
             rec = {"case": case, "status": "error", "message": f"{type(e).__name__}: {e}",
                    "traceback": traceback.format_exc()[-3000:]}
@@ -401,7 +430,8 @@ def _line(r: dict) -> str:
     kern = r.get("kernel_ms", float("nan"))
     return (f"{r['case']}: {r['status'].upper()} wall {r['wall_ms']:.3f} ms ({r['wall_tflops']:.0f} TF/s) "
             f"kernels {kern:.3f} ms ({r.get('kernel_tflops', float('nan')):.0f} TF/s, main "
-            f"{r.get('main_ms', float('nan')):.3f}) err {worst:.1e} first call {r['first_call_s']:.1f} s")
+            f"{r.get('main_ms', float('nan')):.3f}) err {worst:.1e} first call {r['first_call_s']:.1f} s, "
+            f"case {r.get('case_s', 0):.1f} s")
 
 
 def table(records: list[dict]) -> str:

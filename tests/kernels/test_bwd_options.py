@@ -141,20 +141,25 @@ def test_dq_row_split_view_maps_rows_to_warpgroup_slabs():
 
 
 def test_sweep_reference_matches_autograd():
-    """The GPU sweep's float64 gradients (used to judge every option) equal torch autograd, with a causal mask."""
+    """The GPU sweep's float64 gradients (used to judge every option) equal torch autograd: a sliding window, and a
+    causal mask with the tanh soft-cap score_mod."""
     from bwd_perf_sweep import _keep, float64_head
     torch.manual_seed(0)
     S, D = 40, 16
     q, k, v, do = (torch.randn(S, D, dtype=torch.float64) for _ in range(4))
-    keep = _keep("sliding", S, "cpu")
-    o, lse, grads = float64_head(q, k, v, do, 0.3, keep, True)
-    qa, ka, va = (t.clone().requires_grad_(True) for t in (q, k, v))
-    s = (qa @ ka.T * 0.3).masked_fill(~keep, float("-inf"))
-    out = torch.softmax(s, dim=-1) @ va
-    out.backward(do)
-    assert torch.allclose(o, out.detach()) and torch.allclose(lse, torch.logsumexp(s.detach(), -1))
-    for ours, ref in zip(grads, (qa.grad, ka.grad, va.grad)):
-        assert torch.allclose(ours, ref, atol=1e-10)
+    for kind, cap in (("sliding", None), ("causal", 2.0)):
+        keep = _keep(kind, S, "cpu")
+        o, lse, grads = float64_head(q, k, v, do, 0.3, keep, True, cap)
+        qa, ka, va = (t.clone().requires_grad_(True) for t in (q, k, v))
+        s = qa @ ka.T * 0.3
+        if cap is not None:
+            s = cap * torch.tanh(s / cap)
+        s = s.masked_fill(~keep, float("-inf"))
+        out = torch.softmax(s, dim=-1) @ va
+        out.backward(do)
+        assert torch.allclose(o, out.detach()) and torch.allclose(lse, torch.logsumexp(s.detach(), -1))
+        for ours, ref in zip(grads, (qa.grad, ka.grad, va.grad)):
+            assert torch.allclose(ours, ref, atol=1e-10), kind
 
 
 def test_sweep_lists_every_candidate_and_reports_a_hang(tmp_path):
@@ -164,11 +169,11 @@ def test_sweep_lists_every_candidate_and_reports_a_hang(tmp_path):
     import sys
     from pathlib import Path
 
-    from bwd_perf_sweep import ROWS, case_list
+    from bwd_perf_sweep import ROWS, SCORE_MOD_ROWS, case_list
 
     from flexlab.kernels.bwd_config import candidate_bwd_configs
     cases = case_list()
-    for name, D, *_ in ROWS:
+    for name, D, *_ in ROWS + SCORE_MOD_ROWS:
         mine = [c for c in cases if c.startswith(name + "/") and not c.endswith("/det")]
         assert mine[0] == f"{name}/default" and len(mine) == len(candidate_bwd_configs(D))
     script = Path(__file__).with_name("bwd_perf_sweep.py")
