@@ -1,4 +1,4 @@
-"""Named hardware barrier ids of the forward kernel (id 0 is `__syncthreads`)."""
+"""Named hardware barrier ids of the forward and backward kernels (id 0 is `__syncthreads`)."""
 from __future__ import annotations
 
 import enum
@@ -9,3 +9,10 @@ class FwdBarrier(enum.IntEnum):
     TURN_WG1 = 2  # ping-pong: consumer warpgroup 1 may issue its GEMMs
     TURN_WG2 = 3  # ping-pong: consumer warpgroup 2 may issue its GEMMs
     TURN_WG3 = 4  # (three consumer warpgroups: the turn passes round-robin)
+
+
+class BwdBarrier(enum.IntEnum):
+    DS_READY = 1  # both consumer warpgroups wrote their half of dS^T to shared memory
+    EPILOGUE = 2  # all GEMMs that read sK/sV are done; dK/dV may overwrite them
+    DQ_READY_WG1 = 3  # one warpgroup's dQ partial is in shared memory, ready for the TMA reduce
+    DQ_READY_WG2 = 4
