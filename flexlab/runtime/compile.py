@@ -1,29 +1,27 @@
 """Compile the forward kernel once per configuration; keep it in memory and on disk.
 
 A `CompileKey` names everything that is baked into the machine code: the generated mod source (by hash), the tile
-config, dtype, head dim, arch, cutlass version and which optional inputs exist. Captured scalars and tensors are
-runtime arguments, so new values never recompile. On disk an entry is the exported object file plus its SHA-256;
-an entry whose bytes do not match, or that fails to load, is deleted and rebuilt, never trusted.
+config, dtype, head dim, arch, cutlass version, the DSL's code-generation settings, a fingerprint of the kernel
+sources and which optional inputs exist. Captured scalars and tensors are runtime arguments, so new values never
+recompile. The memory and disk store is `disk_cache.KernelCache`, shared with the backward kernels: on disk an entry
+is the exported object file plus its SHA-256; an entry whose bytes do not match, or that fails to load, is deleted
+and rebuilt, never trusted.
 """
 from __future__ import annotations
 
-import hashlib
-import importlib.metadata
 import importlib.util
-import os
 import re
 import subprocess
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from ..kernels.config import FwdConfig
-
-EXPORTED_NAME = "flexlab_fwd"
+from .disk_cache import CacheStats, KernelCache, cache_dir, cutlass_version, dsl_settings, key_digest, \
+    source_fingerprint  # noqa: F401  (CacheStats, cache_dir: re-exported, as before the store moved)
 
 
 @dataclass(frozen=True)
@@ -52,42 +50,26 @@ class CompileKey:
     cutlass_version: str = field(default_factory=lambda: cutlass_version())
     tvm_ffi: bool = field(default_factory=lambda: tvm_ffi_available())
     kernel_source: str = field(default_factory=lambda: kernel_fingerprint())  # a kernel edit invalidates disk entries
+    dsl_settings: str = field(default_factory=lambda: dsl_settings())
 
     def digest(self) -> str:
-        return hashlib.sha256(repr(self).encode()).hexdigest()[:32]
+        return key_digest(self)
 
-
-@lru_cache(maxsize=None)
-def cutlass_version() -> str:
-    try:
-        return importlib.metadata.version("nvidia-cutlass-dsl")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
-_KERNEL_FILES = ("fwd_sm90.py", "softmax.py", "mask.py", "score_mod.py", "block_sparse.py", "layout.py",
-                 "tile_scheduler.py", "carry.py", "config.py", "named_barrier.py")
+    @property
+    def on_disk(self) -> bool:
+        return self.tvm_ffi  # only TVM-FFI builds can be exported and loaded back
 
 
 @lru_cache(maxsize=None)
 def kernel_fingerprint() -> str:
-    """sha256 of the forward kernel's source files and of this module (which builds the fake arguments)."""
-    h = hashlib.sha256()
-    kernels = Path(__file__).resolve().parent.parent / "kernels"
-    for path in [kernels / name for name in _KERNEL_FILES] + [Path(__file__).resolve()]:
-        h.update(path.name.encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()[:16]
+    """Fingerprint of the forward kernel's source files (`fwd_sm90` and every kernel module it imports) and of this
+    module (which builds the fake arguments)."""
+    return source_fingerprint(("fwd_sm90",), extra_files=(Path(__file__).resolve(),))
 
 
 @lru_cache(maxsize=None)
 def tvm_ffi_available() -> bool:
     return importlib.util.find_spec("tvm_ffi") is not None
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("FLEXLAB_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "flexlab")
-    return Path(root) / "kernels"
 
 
 # ---------------------------------------------------------------------------------------------------- fake arguments
@@ -141,93 +123,17 @@ def _build(key: CompileKey, mods: KernelMods, extra_options: str = ""):
 
 
 # ---------------------------------------------------------------------------------------------------- the cache
-@dataclass
-class CacheStats:
-    memory_hits: int = 0
-    disk_hits: int = 0
-    compiles: int = 0
-    rebuilt_corrupt: int = 0
-    compile_seconds: float = 0.0
-
-
-class KernelCache:
-    """In-memory dict in front of an on-disk store of exported object files (TVM-FFI builds only)."""
-
-    def __init__(self, directory: Path | None = None):
-        self.directory = directory
-        self.memory: dict[CompileKey, Any] = {}
-        self.stats = CacheStats()
-        self._lock = threading.Lock()
-
-    def _dir(self) -> Path:
-        return self.directory or cache_dir()
-
-    def get(self, key: CompileKey, mods: KernelMods):
-        fn = self.memory.get(key)
-        if fn is not None:
-            self.stats.memory_hits += 1
-            return fn
-        with self._lock:
-            fn = self.memory.get(key)
-            if fn is None:
-                fn = self._load(key) if key.tvm_ffi else None
-                if fn is None:
-                    fn = self._compile_and_store(key, mods)
-                self.memory[key] = fn
-        return fn
-
-    def _paths(self, key: CompileKey) -> tuple[Path, Path]:
-        base = self._dir() / key.digest()
-        return base.with_suffix(".o"), base.with_suffix(".sha256")
-
-    def _load(self, key: CompileKey):
-        obj, digest = self._paths(key)
-        if not obj.exists():
-            return None
-        try:
-            data = obj.read_bytes()
-            if not digest.exists() or hashlib.sha256(data).hexdigest() != digest.read_text().strip():
-                raise ValueError("checksum mismatch")
-            import cutlass.cute as cute
-            fn = getattr(cute.runtime.load_module(str(obj), enable_tvm_ffi=True), EXPORTED_NAME)
-            self.stats.disk_hits += 1
-            return fn
-        except Exception:
-            self.stats.rebuilt_corrupt += 1
-            for p in (obj, digest):
-                p.unlink(missing_ok=True)
-            return None
-
-    def _compile_and_store(self, key: CompileKey, mods: KernelMods):
-        t0 = time.perf_counter()
-        fn = _build(key, mods)
-        self.stats.compiles += 1
-        self.stats.compile_seconds += time.perf_counter() - t0
-        if key.tvm_ffi:
-            try:
-                self._store(key, fn)
-            except OSError:
-                pass  # a read-only or full disk only costs a recompile next session
-        return fn
-
-    def _store(self, key: CompileKey, fn) -> None:
-        obj, digest = self._paths(key)
-        obj.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=obj.parent) as tmp:
-            tmp_obj = Path(tmp) / "k.o"
-            fn.export_to_c(str(tmp_obj), function_name=EXPORTED_NAME)
-            data = tmp_obj.read_bytes()
-            tmp_digest = Path(tmp) / "k.sha256"
-            tmp_digest.write_text(hashlib.sha256(data).hexdigest())
-            os.replace(tmp_digest, digest)  # checksum first: a crash between the two leaves no trusted object
-            os.replace(tmp_obj, obj)
-
-
 _CACHE = KernelCache()
 
 
 def kernel_cache() -> KernelCache:
+    """The forward kernels' cache (the backward's is `kernels.bwd_launch.bwd_kernel_cache()`, same directory)."""
     return _CACHE
+
+
+def forward_kernel(key: CompileKey, mods: KernelMods, cache: KernelCache | None = None):
+    """The compiled forward kernel for `key`: from memory, else from disk, else compiled from `mods` and stored."""
+    return (cache or kernel_cache()).get(key, lambda: _build(key, mods))
 
 
 # ---------------------------------------------------------------------------------------------------- compile report

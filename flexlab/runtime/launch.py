@@ -11,7 +11,7 @@ from functools import lru_cache
 import torch
 
 from ..kernels.config import FwdConfig, default_config
-from .compile import CompileKey, KernelMods, cutlass_version, kernel_cache, tvm_ffi_available
+from .compile import CompileKey, KernelMods, cutlass_version, forward_kernel, tvm_ffi_available
 from .schedule import heads_per_group
 from .sparsity import kernel_block_mask
 
@@ -50,7 +50,7 @@ def _compiled(mods: KernelMods, dtype: torch.dtype, cfg: FwdConfig, arch: str, s
     hit = _FAST.get(fast)
     if hit is None:
         key = compile_key(mods, dtype, cfg, arch, sparse)
-        hit = (kernel_cache().get(key, mods), key)
+        hit = (forward_kernel(key, mods), key)
         _FAST[fast] = hit
     return hit
 

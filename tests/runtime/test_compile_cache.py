@@ -5,6 +5,7 @@ import dataclasses
 
 from flexlab.kernels.config import default_config
 from flexlab.runtime import compile as rc
+from flexlab.runtime.disk_cache import export_name
 
 
 class _FakeCompiled:
@@ -30,7 +31,7 @@ def test_key_digest_changes_with_every_baked_in_field():
     for change in (dict(source_hash="g"), dict(dtype="float16"), dict(config=default_config(64)),
                    dict(arch="sm_100a"), dict(cutlass_version="4.9"), dict(block_sparse=True),
                    dict(config=dataclasses.replace(default_config(128), num_stages=3)),
-                   dict(kernel_source="edited")):
+                   dict(kernel_source="edited"), dict(dsl_settings="lineinfo=True;")):
         assert _key(**change).digest() != k.digest(), change
 
 
@@ -45,10 +46,12 @@ def test_memory_then_disk_then_corrupt_rebuild(tmp_path, monkeypatch):
 
     def fake_load(path, enable_tvm_ffi):
         loaded.append(path)
+        data = open(path, "rb").read()
 
         class M:
-            flexlab_fwd = ("loaded", open(path, "rb").read())
-        return M
+            def __getattr__(self, name):  # the exported function, looked up by its name in the object file
+                return ("loaded", name, data)
+        return M()
 
     monkeypatch.setattr(rc, "_build", fake_build)
     import cutlass.cute as cute
@@ -56,16 +59,27 @@ def test_memory_then_disk_then_corrupt_rebuild(tmp_path, monkeypatch):
     key = _key()
 
     first = rc.KernelCache(tmp_path)
-    fn = first.get(key, rc.KernelMods())
-    assert first.get(key, rc.KernelMods()) is fn and first.stats.memory_hits == 1 and len(builds) == 1
+    fn = rc.forward_kernel(key, rc.KernelMods(), first)
+    assert rc.forward_kernel(key, rc.KernelMods(), first) is fn and first.stats.memory_hits == 1 and len(builds) == 1
     obj, digest = first._paths(key)
     assert obj.exists() and digest.exists()
 
     second = rc.KernelCache(tmp_path)  # a new process: served from disk, no build
-    assert second.get(key, rc.KernelMods())[0] == "loaded" and second.stats.disk_hits == 1 and len(builds) == 1
+    assert rc.forward_kernel(key, rc.KernelMods(), second) == ("loaded", export_name(key), obj.read_bytes())
+    assert second.stats.disk_hits == 1 and len(builds) == 1
 
     obj.write_bytes(b"garbage")  # corrupt the object: checksum mismatch -> deleted, rebuilt, re-stored
     third = rc.KernelCache(tmp_path)
-    assert isinstance(third.get(key, rc.KernelMods()), _FakeCompiled)
+    assert isinstance(rc.forward_kernel(key, rc.KernelMods(), third), _FakeCompiled)
     assert third.stats.rebuilt_corrupt == 1 and len(builds) == 2
     assert obj.read_bytes().startswith(b"object-code-")
+
+
+def test_forward_fingerprint_follows_the_kernel_imports():
+    """The forward's fingerprint covers fwd_sm90 and every kernel module it imports (the list it used to spell out),
+    plus the module that builds its fake arguments."""
+    from flexlab.runtime.disk_cache import source_files
+    names = {p.name for p in source_files(("fwd_sm90",))}
+    assert names == {"fwd_sm90.py", "softmax.py", "mask.py", "score_mod.py", "block_sparse.py", "layout.py",
+                     "tile_scheduler.py", "carry.py", "config.py", "named_barrier.py"}
+    assert rc.kernel_fingerprint() == rc.source_fingerprint(("fwd_sm90",), extra_files=(rc.__file__,))
