@@ -302,6 +302,8 @@ def _counters() -> dict:
     out = {"flexlab kernels": 0, "generated sources": 0, "torch graphs": 0}
     if "flexlab.runtime.compile" in sys.modules:
         out["flexlab kernels"] = sys.modules["flexlab.runtime.compile"].kernel_cache().stats.compiles
+    if "flexlab.kernels.bwd_launch" in sys.modules:  # the backward's three kernels, same cache class and directory
+        out["flexlab kernels"] += sys.modules["flexlab.kernels.bwd_launch"].bwd_kernel_cache().stats.compiles
     gen = sys.modules.get("flexlab.codegen.generated")
     if gen is not None:
         out["generated sources"] = len(gen._MODULES)

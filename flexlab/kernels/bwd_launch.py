@@ -1,9 +1,11 @@
 """torch tensors in, the three backward kernels launched, (dq, dk, dv, captured-tensor grads) back.
 
 preprocess (D, LSE in base 2) -> main kernel (dK, dV, fp32 dQ partial sums, captured-tensor grads) -> postprocess
-(dQ = scale * sum). Each kernel is compiled once per configuration against symbolic shapes and kept in memory; the
-key names everything that is baked into the machine code (generated mods by hash, tiles, dtype, which optional
-inputs exist), never a runtime value.
+(dQ = scale * sum). Each kernel is compiled once per configuration against symbolic shapes; the key names everything
+that is baked into the machine code (generated mods by hash and by source, tiles, dtype, which optional inputs exist,
+arch, cutlass version, DSL settings, a fingerprint of the backward's kernel sources), never a runtime value. The
+compiled kernels live in the same memory + disk cache as the forward's (`runtime.disk_cache.KernelCache`, the
+directory of `runtime.disk_cache.cache_dir()`), so a new process loads them instead of compiling again.
 
 The kernels are compiled with TVM-FFI (`--enable-tvm-ffi`, torch's current stream as the environment stream), so a
 call hands torch tensors straight to the compiled function, which reads their DLPack headers in C and checks them
@@ -13,23 +15,46 @@ or the block mask is cached.
 """
 from __future__ import annotations
 
+import hashlib
 import math
-import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
 import torch
 
 from ..errors import BackendUnavailableError
+from ..runtime.disk_cache import KernelCache, cutlass_version, dsl_settings, key_digest, source_fingerprint
 from .bwd_config import BwdConfig, default_bwd_config
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+#: The kernel modules whose import closure makes up the backward's fingerprint: the three kernels, this module (it
+#: constructs them and chooses the compile options) and `bwd_aux_grad` (imported by generated code).
+_FINGERPRINT_ROOTS = ("bwd_launch", "bwd_sm90", "bwd_preprocess", "bwd_postprocess", "bwd_aux_grad")
+
+
+@lru_cache(maxsize=None)
+def bwd_fingerprint() -> str:
+    """sha256 of the backward kernels' source files and every kernel module they import: editing any of them
+    invalidates the backward's disk entries (all three kernels; pre/postprocess are quick to rebuild)."""
+    return source_fingerprint(_FINGERPRINT_ROOTS)
+
+
+class _DiskKey:
+    """What `KernelCache` needs of a key: a digest over every field, and whether it may be stored (the backward is
+    only ever built with TVM-FFI, so always)."""
+
+    on_disk = True
+
+    def digest(self) -> str:
+        return key_digest(self)
+
+
 @dataclass(frozen=True)
-class BwdKey:
+class BwdKey(_DiskKey):
     """Everything the main backward kernel is specialised on."""
 
     source_hash: str
@@ -45,10 +70,50 @@ class BwdKey:
     deterministic: bool = False
     arch: str = "sm_90a"
     fixed_point_aux_grads: bool = False  # int64 fixed-point captured-tensor grads (deterministic mode)
+    # sha256 of the generated source: `source_hash` is the mod graph's hash, which stays the same when the code
+    # generator's output for that graph changes; the disk cache outlives such an edit, so the source itself counts.
+    generated_source: str = ""
+    cutlass_version: str = field(default_factory=lambda: cutlass_version())
+    kernel_source: str = field(default_factory=lambda: bwd_fingerprint())
+    dsl_settings: str = field(default_factory=lambda: dsl_settings())
 
 
-_COMPILED: dict = {}
-_LOCK = threading.Lock()
+@dataclass(frozen=True)
+class BwdPreKey(_DiskKey):
+    """The preprocess kernel (D = rowsum(O * dO), LSE in base 2)."""
+
+    dtype: str
+    head_dim: int
+    has_dlse: bool
+    arch: str = "sm_90a"
+    cutlass_version: str = field(default_factory=lambda: cutlass_version())
+    kernel_source: str = field(default_factory=lambda: bwd_fingerprint())
+    dsl_settings: str = field(default_factory=lambda: dsl_settings())
+
+
+@dataclass(frozen=True)
+class BwdPostKey(_DiskKey):
+    """The postprocess kernel (dQ = scale * fp32 sum, in the input dtype)."""
+
+    dtype: str
+    head_dim: int
+    arch: str = "sm_90a"
+    cutlass_version: str = field(default_factory=lambda: cutlass_version())
+    kernel_source: str = field(default_factory=lambda: bwd_fingerprint())
+    dsl_settings: str = field(default_factory=lambda: dsl_settings())
+
+
+def generated_source_hash(g) -> str:
+    """sha256 of a `GeneratedMods`' source, "" without mods (cold path only: `_kernels` caches what it keys)."""
+    return hashlib.sha256(g.source.encode()).hexdigest()[:32] if g is not None else ""
+
+
+_CACHE = KernelCache()
+
+
+def bwd_kernel_cache() -> KernelCache:
+    """The backward kernels' cache: its own stats, the forward's directory (`runtime.disk_cache.cache_dir()`)."""
+    return _CACHE
 
 
 def _cutlass_dtype(name: str):
@@ -57,14 +122,26 @@ def _cutlass_dtype(name: str):
 
 
 def _compiled(key, build):
-    fn = _COMPILED.get(key)
-    if fn is None:
-        with _LOCK:
-            fn = _COMPILED.get(key)
-            if fn is None:
-                fn = build()
-                _COMPILED[key] = fn
-    return fn
+    """The compiled kernel for `key`: from memory, else from disk, else `build()` (then stored on disk).
+
+    TVM-FFI is checked first: without it an entry could not be loaded, and a failed load deletes the entry."""
+    require_tvm_ffi()
+    return bwd_kernel_cache().get(key, build)
+
+
+def preprocess_kernel(dtype: str, head_dim: int, has_dlse: bool, arch: str = "sm_90a"):
+    return _compiled(BwdPreKey(dtype, head_dim, has_dlse, arch),
+                     lambda: compile_preprocess(dtype, head_dim, has_dlse, arch))
+
+
+def postprocess_kernel(dtype: str, head_dim: int, arch: str = "sm_90a"):
+    return _compiled(BwdPostKey(dtype, head_dim, arch), lambda: compile_postprocess(dtype, head_dim, arch))
+
+
+def main_kernel(key: BwdKey, generated=None):
+    """`generated` is the `GeneratedMods` whose hash and source are in `key` (None without mods); its module is
+    executed only if the kernel has to be compiled."""
+    return _compiled(key, lambda: compile_main(key, generated.module() if generated is not None else None))
 
 
 def require_tvm_ffi() -> None:
@@ -225,10 +302,8 @@ def _kernels(g, grad_slots, kernel_aux, dtype: torch.dtype, cfg: BwdConfig, spar
                  tuple((str(t.dtype).removeprefix("torch."), t.dim()) for t in kernel_aux),
                  tuple("float" if kind == "float" else "int" for kind in (g.aux_scalar_kinds if g else ())),
                  tuple(kernel_aux[i].dim() for i in grad_slots), name, cfg, sparse, deterministic, arch,
-                 fixed_point)
-    hit = Kernels(_compiled(("pre", name, D, has_dlse, arch), lambda: compile_preprocess(name, D, has_dlse, arch)),
-                  _compiled(key, lambda: compile_main(key, g.module() if g is not None else None)),
-                  _compiled(("post", name, D, arch), lambda: compile_postprocess(name, D, arch)),
+                 fixed_point, generated_source_hash(g))
+    hit = Kernels(preprocess_kernel(name, D, has_dlse, arch), main_kernel(key, g), postprocess_kernel(name, D, arch),
                   torch.int64 if fixed_point else torch.float32)
     _KERNELS[fast] = hit
     return hit

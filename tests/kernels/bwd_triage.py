@@ -163,10 +163,9 @@ def _main(D: int):
         key = BwdKey("", False, False, False, (), (), (), "bfloat16", cfg, False, bool(deterministic), "sm_90a",
                      False)
         t = time.perf_counter()
-        bwd_launch._compiled(("pre", "bfloat16", D, False, "sm_90a"),
-                             lambda: bwd_launch.compile_preprocess("bfloat16", D, False))
-        bwd_launch._compiled(key, lambda: bwd_launch.compile_main(key))
-        bwd_launch._compiled(("post", "bfloat16", D, "sm_90a"), lambda: bwd_launch.compile_postprocess("bfloat16", D))
+        bwd_launch.preprocess_kernel("bfloat16", D, False)
+        bwd_launch.main_kernel(key)
+        bwd_launch.postprocess_kernel("bfloat16", D)
         return time.perf_counter() - t
 
     def run(B, Hq, Hkv, Sq, Skv, deterministic=False, repeats=1):

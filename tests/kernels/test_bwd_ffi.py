@@ -214,8 +214,10 @@ def _recording_compiles(monkeypatch, build: bool, signatures=None):
     """Routes `backward`'s compile cache through recorders (compiling for real when `build`)."""
     recorders = {}
 
+    kinds = {bwd_launch.BwdPreKey: "pre", bwd_launch.BwdKey: "main", bwd_launch.BwdPostKey: "post"}
+
     def compiled(key, make):
-        kind = key[0] if isinstance(key, tuple) else "main"
+        kind = kinds[type(key)]
         if kind not in recorders:
             fn = make() if build else None
             recorders[kind] = _Recorder(kind, fn, signatures[-1] if build else None)
