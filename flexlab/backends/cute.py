@@ -150,6 +150,16 @@ def is_supported(q, k, v, score_mod, block_mask, scale, enable_gqa) -> tuple[boo
     return not reason, reason
 
 
+def kernel_mods(score_mod, mask_mod):
+    """The `KernelMods` backend="cute" compiles for these mods (a noop mask counts as none), for tools that build
+    or inspect kernels outside a launch (precompilation, the compile report)."""
+    from ..runtime.compile import KernelMods
+    mask_mod = None if _is_noop_mask(mask_mod) else mask_mod
+    if score_mod is None and mask_mod is None:
+        return KernelMods()
+    return _lowered(score_mod, mask_mod).mods
+
+
 def captured_requires_grad(score_mod, mask_mod) -> bool:
     """Whether a tensor the mods capture requires grad (a learnable bias table, per-head slopes, ...)."""
     mask_mod = None if _is_noop_mask(mask_mod) else mask_mod
