@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import queue
 import statistics
@@ -537,13 +538,16 @@ def _fmt_cell(r: dict | None, base: dict | None, ablation: bool) -> str:
     return f"x{base['ms'] / r['ms']:.2f}"
 
 
+def _role(variant: str) -> str:
+    return "baseline" if variant == "baseline" else "ablation" if variant.startswith("-") else "candidate"
+
+
 def tables(doc: dict) -> str:
     rows = doc["rows"]
     cands, abls = [], []
     for r in rows:
         for name, rec in r["results"].items():
-            role = rec.get("role") or ("ablation" if name.startswith("-") else "baseline" if name == "baseline"
-                                       else "candidate")
+            role = _role(name)
             lst = cands if role == "candidate" else abls if role == "ablation" else None
             if lst is not None and name not in lst:
                 lst.append(name)
@@ -565,7 +569,28 @@ def tables(doc: dict) -> str:
                      f"{base['api_host_us']:.0f}" if base and "api_host_us" in base else "-"]
             cells += [_fmt_cell(r["results"].get(n), base, abl) for n in names]
             out.append(" | ".join(cells))
+    out.append("\nCandidates over all rows (geometric mean of the speedup where both ran and passed):")
+    for name, (geo, n, bad) in summary(doc).items():
+        speed = f"x{geo:.3f}" if geo is not None else "n/a"
+        out.append(f"  {name:22s} {speed} over {n} rows" + (f"; failed on {bad}" if bad else ""))
     return "\n".join(out)
+
+
+def summary(doc: dict) -> dict:
+    """candidate -> (geometric-mean speedup over the baseline, rows counted, rows where it failed)."""
+    acc: dict = {}
+    for r in doc["rows"]:
+        base = r["results"].get("baseline")
+        for name, rec in r["results"].items():
+            if _role(name) != "candidate":
+                continue
+            logs, n, bad = acc.get(name, (0.0, 0, 0))
+            if rec.get("status") == "ok" and base and base.get("status") == "ok":
+                logs, n = logs + math.log(base["ms"] / rec["ms"]), n + 1
+            elif rec.get("status") not in ("skipped", "dropped"):
+                bad += 1
+            acc[name] = (logs, n, bad)
+    return {k: (math.exp(logs / n) if n else None, n, bad) for k, (logs, n, bad) in acc.items()}
 
 
 def main(argv=None) -> int:
@@ -634,6 +659,7 @@ def main(argv=None) -> int:
 
     tmp = tempfile.mkdtemp(prefix="fwd_sweep_")
     job_file = os.path.join(tmp, "jobs.json")
+    _usable_cache_dir(tmp)
     with open(job_file, "w") as f:
         json.dump({"compile": compile_jobs}, f)
     t0 = time.monotonic()
@@ -674,6 +700,8 @@ def main(argv=None) -> int:
         for v in jobs_of_row[r["name"]]:
             r["results"].setdefault(v, {"status": "skipped", "message": "not run: overall budget spent"})
     doc["wall_s"] = round(time.monotonic() - start, 1)
+    doc["candidate_summary"] = {k: {"geomean_speedup": g, "rows": n, "failed_rows": b}
+                                for k, (g, n, b) in summary(doc).items()}
     _write(doc, args.out)
     print(tables(doc), flush=True)
     counts: dict = {}
@@ -690,6 +718,19 @@ def _variant_names(row, num_sms: int) -> list[str]:
     from flexlab.kernels.config import default_config
     has_score, has_mask = row_mods_kind(row.variant)
     return [v.name for v in variants_for(row, default_config(row.D, has_mask, has_score, row.S), num_sms)]
+
+
+def _usable_cache_dir(fallback_root: str):
+    """Workers hand kernels to the timing child through the disk cache: make sure children get a writable one."""
+    from flexlab.runtime.compile import cache_dir
+    try:
+        d = cache_dir()
+        d.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=d):
+            pass
+    except OSError:
+        os.environ["FLEXLAB_CACHE_DIR"] = os.path.join(fallback_root, "cache")
+        print(f"kernel cache not writable; using {os.environ['FLEXLAB_CACHE_DIR']}", flush=True)
 
 
 def _write(doc: dict, path: str):
