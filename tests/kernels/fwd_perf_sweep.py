@@ -603,8 +603,8 @@ def main(argv=None) -> int:
                          "name start with '-'); baseline is always kept")
     ap.add_argument("--case-timeout", type=float, default=90.0,
                     help="seconds to set up a row and build/load one variant's kernel (default 90)")
-    ap.add_argument("--run-timeout", type=float, default=30.0,
-                    help="seconds one loaded variant may take to run, check and time; past it, a hang (default 30)")
+    ap.add_argument("--run-timeout", type=float, default=20.0,
+                    help="seconds one loaded variant may take to run, check and time; past it, a hang (default 20)")
     ap.add_argument("--compile-share", type=float, default=0.4,
                     help="at most this fraction of the budget for the parallel compile phase (default 0.4)")
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1))
