@@ -47,15 +47,23 @@ def _flex_output(result):
     return result[0] if isinstance(result, tuple) else result
 
 
-def prepare_flexlab(case: Case, q, k, v, block_mask, grad: bool) -> Prepared:
+def prepare_flexlab(case: Case, q, k, v, block_mask, grad: bool, deterministic: bool = False) -> Prepared:
     from .. import flex_attention
     from ..backends import cute
     ql, kl, vl = _leaves(q, k, v, grad)
     ok, reason = cute.is_supported(ql, kl, vl, case.score_mod, block_mask, None, False)
     if not ok:
         raise Unavailable(f"backend='cute': {reason}")
-    call = partial(flex_attention, ql, kl, vl, case.score_mod, block_mask, backend="cute")
+    call = partial(flex_attention, ql, kl, vl, case.score_mod, block_mask, backend="cute", deterministic=deterministic)
     return Prepared(call, (ql, kl, vl), _same, _same)
+
+
+def prepare_flexlab_deterministic(case: Case, q, k, v, block_mask, grad: bool) -> Prepared:
+    """flexlab with bitwise-reproducible gradients: next to "flexlab" on a forward+backward row, it prices
+    deterministic mode (ordered dQ accumulation, fixed-point captured-tensor grads)."""
+    if not grad:
+        raise Unavailable("deterministic mode changes only the backward; measured on forward+backward rows")
+    return prepare_flexlab(case, q, k, v, block_mask, grad, deterministic=True)
 
 
 def prepare_reference(case: Case, q, k, v, block_mask, grad: bool) -> Prepared:
@@ -150,6 +158,7 @@ def prepare_sdpa(case: Case, q, k, v, block_mask, grad: bool) -> Prepared:
 # A compiled flex call that silently ran torch's unfused path shows cuBLAS/softmax kernels instead.
 PEERS: dict[str, tuple[Callable, tuple[str, ...] | None]] = {
     "flexlab": (prepare_flexlab, None),
+    "flexlab-deterministic": (prepare_flexlab_deterministic, None),
     "flex-triton": (prepare_flex_triton, ("triton_tem", "flex")),
     "flex-triton-autotune": (prepare_flex_triton_autotune, ("triton_tem", "flex")),
     "flex-flash": (prepare_flex_flash, ("flash", "fmha", "cutlass", "cute")),
@@ -157,8 +166,9 @@ PEERS: dict[str, tuple[Callable, tuple[str, ...] | None]] = {
     "sdpa": (prepare_sdpa, None),
     "reference": (prepare_reference, None),
 }
-DEFAULT_BACKENDS = ("flexlab", "flex-triton", "flex-triton-autotune", "flex-flash", "fa4", "sdpa")
-PEER_BACKENDS = tuple(b for b in DEFAULT_BACKENDS if b != "flexlab")
+DEFAULT_BACKENDS = ("flexlab", "flexlab-deterministic", "flex-triton", "flex-triton-autotune", "flex-flash", "fa4",
+                    "sdpa")
+PEER_BACKENDS = tuple(b for b in DEFAULT_BACKENDS if not b.startswith("flexlab"))
 
 
 def parse_backends(spec: str) -> list[str]:

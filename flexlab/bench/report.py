@@ -19,7 +19,7 @@ from .rows import MATMUL_CEILING_TFLOPS, ROW_SETS
 
 SCHEMA_VERSION = 1
 # Backends that are not competitors: flexlab itself, and the dense reference used in tests.
-NOT_PEERS = ("flexlab", "reference")
+NOT_PEERS = ("flexlab", "flexlab-deterministic", "reference")
 
 
 def _version(dist: str) -> str | None:
@@ -86,6 +86,9 @@ def summarize_row(record: dict) -> None:
     ours = record["results"].get("flexlab", {})
     record["flexlab_speedup_vs_best_peer"] = (
         wall / ours["wall_ms"] if wall and ours.get("status") == "ok" else None)
+    det = record["results"].get("flexlab-deterministic", {})
+    record["deterministic_cost"] = (  # wall-clock of deterministic mode over the default, same row
+        det["wall_ms"] / ours["wall_ms"] if ours.get("status") == "ok" and det.get("status") == "ok" else None)
 
 
 def document(env: dict, settings: dict, rows: list[dict]) -> dict:
@@ -129,6 +132,8 @@ def format_row(record: dict) -> str:
         s = record.get("flexlab_speedup_vs_best_peer")
         lines.append(f"  best peer: {record['best_peer']} {record['best_peer_wall_ms']:.3f} ms"
                      + (f"; flexlab {s:.2f}x of it" if s else "; flexlab: no result"))
+    if record.get("deterministic_cost"):
+        lines.append(f"  deterministic mode: {record['deterministic_cost']:.2f}x flexlab's default wall time")
     return "\n".join(lines)
 
 
@@ -191,7 +196,8 @@ def merge_documents(docs: list[dict]) -> dict:
     return merged
 
 
-_MD_BACKENDS = (("flexlab", "flexlab"), ("flex-triton", "flex Triton"),
+_MD_BACKENDS = (("flexlab", "flexlab"), ("flexlab-deterministic", "flexlab deterministic"),
+                ("flex-triton", "flex Triton"),
                 ("flex-triton-autotune", "flex Triton max-autotune"),
                 ("flex-flash", "flex FLASH"), ("fa4", "FA4"), ("sdpa", "SDPA"))
 

@@ -4,10 +4,26 @@ The backward CTA owns `tile_n` rows of K/V (64 per consumer warpgroup) and walks
 BlockMask drives it when its KV block size is a multiple of `tile_n` and its Q block size a multiple of `tile_m`.
 `tile_m` divides and `tile_n` equals the forward tiles of `config.default_config`, so one mask built at torch's
 default BLOCK_SIZE=128 serves both passes for every supported head dim (`shares_block_mask_with_forward`).
+
+The boolean fields are speed options, all off by default (the configuration validated on the H200); each one is a
+separate compiled kernel, and `tests/kernels/bwd_perf_sweep.py` times and checks them against the default:
+
+  stats_in_smem   the producer copies each step's LSE2 and D rows (tile_m fp32 each) into shared memory with the Q/dO
+                  tiles, instead of every consumer thread loading its tile_m / 4 values of each from global memory
+                  after the S^T and dP^T GEMMs (two exposed L2 latencies per step);
+  dk_after_dq     the dQ GEMM is issued before the dK GEMM, so the dQ partial goes to shared memory and TMA while dK
+                  is still on the tensor cores, instead of waiting for dV, dK and dQ together (FA3/FA4's order); the
+                  dQ slab is then unswizzled (as in the lean plan), since swizzled addresses live beside dK's
+                  register operand spill at D=128;
+  kv_tiles_first  grid x = KV tiles: the CTAs of one (batch, head) run side by side and share Q, dO and the dQ
+                  accumulator in L2, instead of one or two KV tiles of every head at a time;
+  dq_split_rows   each consumer warpgroup computes 64 query rows of the dQ partial over the whole head dim (wgmma
+                  N = head_dim) instead of all tile_m rows over head_dim / warpgroups columns (N = 32 at D=64, where
+                  the shared-memory A operand limits the tensor cores); needs tile_m = 64 * warpgroups.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .config import REGISTERS_PER_SM, SMEM_BYTES_SM90, default_config
 
@@ -21,6 +37,10 @@ class BwdConfig:
     tile_n: int = 128  # key rows per CTA, split over tile_n // 64 consumer warpgroups
     num_stages: int = 2  # depth of the Q/dO ring
     dtype_bytes: int = 2
+    stats_in_smem: bool = False
+    dk_after_dq: bool = False
+    kv_tiles_first: bool = False
+    dq_split_rows: bool = False
 
     @property
     def num_consumer_wgs(self) -> int:
@@ -36,12 +56,18 @@ class BwdConfig:
         return {1: (56, 256), 2: (24, 240)}[self.num_consumer_wgs]
 
     def smem_bytes(self) -> int:
+        """Bytes of the kernel's shared-storage struct: mbarriers (and the per-stage LSE2/D rows) first, then each
+        tile buffer aligned to 1 KiB (the 128-byte swizzle repeats every 1 KiB)."""
+        def up(n):
+            return -(-n // 1024) * 1024
+        head = 8 * (2 + 2 * self.num_stages)  # mbarriers: K/V full+empty, Q/dO full+empty per stage
+        if self.stats_in_smem:
+            head += 2 * self.num_stages * self.tile_m * 4
         kv = 2 * self.tile_n * self.head_dim * self.dtype_bytes  # K and V (reused for dK, dV in the epilogue)
         q_do = 2 * self.num_stages * self.tile_m * self.head_dim * self.dtype_bytes
         ds = 2 * self.tile_m * self.tile_n * self.dtype_bytes  # double-buffered dS
         dq = self.tile_m * self.head_dim * 4  # fp32 dQ partial, reduced into global by TMA
-        barriers = 8 * (2 + 2 * self.num_stages)
-        return kv + q_do + ds + dq + barriers + 6 * 1024
+        return up(head) + kv + q_do + ds + dq
 
     def feasibility_error(self) -> str | None:
         """Why this configuration cannot run on sm90, or None when it can."""
@@ -55,6 +81,9 @@ class BwdConfig:
             return "num_stages must be at least 1"
         if self.head_dim % (8 * self.num_consumer_wgs):
             return "head_dim must split evenly over the consumer warpgroups for the dQ GEMM"
+        if self.dq_split_rows and self.tile_m != 64 * self.num_consumer_wgs:
+            return (f"dq_split_rows gives each of the {self.num_consumer_wgs} consumer warpgroups 64 query rows of "
+                    f"dQ: tile_m must be {64 * self.num_consumer_wgs}, got {self.tile_m}")
         if self.smem_bytes() > SMEM_BYTES_SM90:
             return f"needs {self.smem_bytes()} bytes of shared memory, sm90 has {SMEM_BYTES_SM90}"
         producer, consumer = self.register_split
@@ -90,3 +119,27 @@ def shares_block_mask_with_forward(head_dim: int, block_size: int = 128) -> bool
     bwd = default_bwd_config(head_dim)
     return (block_size % fwd.tile_m == 0 and block_size % fwd.tile_n == 0
             and bwd.block_mask_error(block_size, block_size) is None)
+
+
+def candidate_bwd_configs(head_dim: int) -> dict[str, BwdConfig]:
+    """Named configurations the GPU sweep (`tests/kernels/bwd_perf_sweep.py`) compares with the default: each speed
+    option alone, then together. All are feasible; none is used by the launcher until a measurement adopts it."""
+    base = default_bwd_config(head_dim)
+    cands = {
+        "default": base,
+        "stats_in_smem": replace(base, stats_in_smem=True),
+        "dk_after_dq": replace(base, dk_after_dq=True),
+        "kv_tiles_first": replace(base, kv_tiles_first=True),
+        "stages3": replace(base, num_stages=3),
+    }
+    combined = replace(base, stats_in_smem=True, dk_after_dq=True, kv_tiles_first=True)
+    if head_dim == 64:
+        cands["tile_m128"] = replace(base, tile_m=128)
+        cands["tile_m128_dq_rows"] = replace(base, tile_m=128, dq_split_rows=True)
+        combined = replace(combined, tile_m=128, dq_split_rows=True)
+    cands["combined"] = combined
+    if replace(combined, num_stages=3).feasibility_error() is None:
+        cands["combined_stages3"] = replace(combined, num_stages=3)
+    for name, cfg in cands.items():
+        assert cfg.feasibility_error() is None, (name, cfg.feasibility_error())
+    return cands

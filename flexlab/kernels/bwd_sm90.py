@@ -15,6 +15,10 @@ stored once, without atomics, and are the same bits on every run.
     warpgroup reduces its half into the fp32 dQ buffer with one TMA reduce-add (`bwd_postprocess` scales it);
   * epilogue: dK (times the softmax scale) and dV go to shared memory over K and V and out with TMA stores.
 
+The kernel's pieces live in one module each: `bwd_producer` (the TMA producer warp), `bwd_step` (the per-step math of
+a consumer warpgroup) and `bwd_dq` (the dQ partial's way to global memory); this module holds the configuration,
+the host launch, the role split, the consumer loop and the dK/dV epilogue.
+
 Query-direction block sparsity comes from torch's BlockMask (q_num_blocks/q_indices and the full_* pair), walked by
 the forward's `KvSchedule` with the roles of Q and KV swapped: partial blocks (mask_mod) first, then full blocks.
 
@@ -27,7 +31,6 @@ CTA only ever waits for CTAs launched before it. Captured-tensor gradients are a
 """
 from __future__ import annotations
 
-import enum
 import math
 from typing import Callable, Optional
 
@@ -37,50 +40,24 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
-from cutlass.cutlass_dsl import T, dsl_user_op
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from .block_sparse import KvSchedule
 from .bwd_config import BwdConfig
-from .fwd_sm90 import wgmma
-from .layout import as_operand_a, bshd_view, convert_to_16bit, rows_view, transpose_smem
-from .mask import apply_mask_mod, mask_kv_tail
-from .score_mod import apply_score_mod
+from .bwd_dq import BwdDqReduce, dq_issuer
+from .bwd_producer import BwdProducer
+from .bwd_step import BwdStep, StepOperands, opaque_i32
+from .layout import bshd_view, convert_to_16bit, transpose_smem
+from .named_barrier import BwdBarrier
+
+__all__ = ["BwdBarrier", "FlexBwdSm90", "dq_issuer", "fake_arguments"]
 
 LOG2_E = math.log2(math.e)
 
 
-@dsl_user_op
-def opaque_i32(x: Int32, *, loc=None, ip=None) -> Int32:
-    """x, hidden from the optimizer: index math derived from it is recomputed rather than kept live from earlier."""
-    return Int32(llvm.inline_asm(T.i32(), [Int32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r",
-                                 has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-class BwdBarrier(enum.IntEnum):
-    """Named barrier ids of the backward kernel (0 is `__syncthreads`)."""
-
-    DS_READY = 1  # both consumer warpgroups wrote their half of dS^T to shared memory
-    EPILOGUE = 2  # all GEMMs that read sK/sV are done; dK/dV may overwrite them
-    DQ_READY_WG1 = 3  # one warpgroup's dQ partial is in shared memory, ready for the TMA reduce
-    DQ_READY_WG2 = 4
-
-
-def dq_issuer():
-    """True in the first warp of each consumer warpgroup, which issues that warpgroup's dQ reduce.
-
-    A whole warp, not one thread: the TMA reduce copy elects its issuing lane with `elect.sync` over the full warp,
-    which never completes when only one lane reaches it. The test reads only bits 5 and 6 of the thread index (the
-    warp's place in its warpgroup), so it is the same in every lane and the branch stays convergent. Recomputed at
-    each use rather than kept live through the main loop: at D=128 with a block mask even that one register made the
-    consumers spill."""
-    return (cute.arch.thread_idx()[0] % 128) < 32
-
-
-class FlexBwdSm90:
+class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
     """Compile-time configuration of one backward kernel: tiles, dtype, and the inlined generated mods."""
 
     def __init__(self, cfg: BwdConfig, dtype, score_mod: Optional[Callable] = None,
@@ -100,10 +77,40 @@ class FlexBwdSm90:
         self.num_wg = cfg.num_consumer_wgs
         self.num_consumer_threads = 128 * self.num_wg
         self.producer_regs, self.consumer_regs = cfg.register_split
-        self.dq_cols = self.head_dim // self.num_wg  # dQ columns per consumer warpgroup
-        # Lean register plan (a score_mod at D=128): fp32 dK+dV, S, dP and the pre-mod scores do not fit in 240
-        # registers together, so dP^T is computed only after P is formed, and P is kept in 16 bits from then on.
-        self.lean = score_mod is not None and self.head_dim > 64
+        self.stats_in_smem, self.dk_after_dq = cfg.stats_in_smem, cfg.dk_after_dq
+        self.kv_tiles_first, self.dq_split_rows = cfg.kv_tiles_first, cfg.dq_split_rows
+        # Each consumer warpgroup's box of the dQ partial: all tile_m rows and head_dim / warpgroups columns, or (with
+        # dq_split_rows) 64 rows and every column.
+        self.dq_rows = 64 if self.dq_split_rows else self.tile_m
+        self.dq_cols = self.head_dim if self.dq_split_rows else self.head_dim // self.num_wg
+        # The options' extra live registers (row-statistics addresses, dK's register operand beside the dQ store)
+        # made the dS store's swizzled base address spill at D=128 (one reload per step); it is rebuilt in every
+        # step from the thread index instead (a few integer instructions).
+        self.rebuild_ds_store = self.stats_in_smem or self.dk_after_dq
+        # Lean register plan (a score_mod at D=128, or at D=64 with 128-row query tiles): fp32 dK+dV (head_dim per
+        # thread), S, dP and the pre-mod scores (tile_m / 2 each) do not fit in 240 registers together, so dP^T is
+        # computed only after P is formed, and P is kept in 16 bits from then on.
+        self.lean = score_mod is not None and self.head_dim + self.tile_m > 128
+
+    def stats_bytes(self) -> int:
+        """Bytes of LSE2 and D rows that land with each Q/dO stage (0 unless stats_in_smem)."""
+        return 2 * self.tile_m * 4 if self.stats_in_smem else 0
+
+    def shared_storage(self, sKV_layout, sQ_layout, sdS_layout, sdQ_layout):
+        """The shared-memory struct (mirrored by `BwdConfig.smem_bytes`): mbarriers and the optional per-stage
+        LSE2/D rows first, then the tile buffers, 1 KiB aligned for the 128-byte swizzle."""
+        Align, MemRange = cute.struct.Align, cute.struct.MemRange
+        fields = {"mbar_kv": MemRange[Int64, 2], "mbar_qdo": MemRange[Int64, 2 * self.num_stages]}
+        if self.stats_in_smem:  # bulk-copy destinations: 16-byte aligned
+            rows = self.tile_m * self.num_stages
+            fields.update(sLSE2=Align[MemRange[Float32, rows], 16], sDpsum=Align[MemRange[Float32, rows], 16])
+        for name, dtype, layout in (("sK", self.dtype, sKV_layout), ("sV", self.dtype, sKV_layout),
+                                    ("sQ", self.dtype, sQ_layout), ("sdO", self.dtype, sQ_layout),
+                                    ("sdS", self.dtype, sdS_layout), ("sdQ", Float32, sdQ_layout)):
+            fields[name] = Align[MemRange[dtype, cute.cosize(layout)], 1024]
+        # Built from a dict (not a class body) so the field list can depend on the configuration.
+        Storage = cute.struct(type("Storage", (), {"__annotations__": fields}))
+        return Storage
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -123,9 +130,10 @@ class FlexBwdSm90:
         tiled_mma_dkv = sm90_utils.make_trivial_tiled_mma(  # dV += P^T dO, dK += dS^T Q (A from registers)
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
             atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, hd), a_source=warpgroup.OperandSource.RMEM)
-        tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(  # dQ = dS K, head dim split over the warpgroups
+        tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(  # dQ = dS K, head dim (or query rows) split over the WGs
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-            atom_layout_mnk=(1, self.num_wg, 1), tiler_mn=(64, self.dq_cols))
+            atom_layout_mnk=(self.num_wg, 1, 1) if self.dq_split_rows else (1, self.num_wg, 1),
+            tiler_mn=(64, self.dq_cols))
 
         atom_d = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, hd), self.dtype)
@@ -134,14 +142,14 @@ class FlexBwdSm90:
         sKV_layout = cute.tile_to_shape(atom_d, (tile_n, hd), order=(0, 1))
         sQ_layout = cute.tile_to_shape(atom_d, (tile_m, hd, self.num_stages), order=(0, 1, 2))
         sdS_layout = cute.tile_to_shape(atom_ds, (tile_m, tile_n, 2), order=(0, 1, 2))
-        # fp32 dQ partials, one (tile_m, dq_cols) slab per warpgroup, 128-byte swizzled so that the accumulator's
+        # fp32 dQ partials, one (dq_rows, dq_cols) slab per warpgroup, 128-byte swizzled so that the accumulator's
         # row-strided stores do not all land in the same banks (TMA undoes the swizzle on the way out). The lean
         # plan keeps it unswizzled: the swizzled addresses cost registers it does not have.
         dq_kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, Float32, self.dq_cols)
-        if cutlass.const_expr(self.lean):
+        if cutlass.const_expr(self.lean or self.dk_after_dq):
             dq_kind = warpgroup.SmemLayoutAtomKind.K_INTER
         atom_dq = warpgroup.make_smem_layout_atom(dq_kind, Float32)
-        sdQ_layout = cute.tile_to_shape(atom_dq, (tile_m, self.dq_cols, self.num_wg), order=(0, 1, 2))
+        sdQ_layout = cute.tile_to_shape(atom_dq, (self.dq_rows, self.dq_cols, self.num_wg), order=(0, 1, 2))
 
         load_op, store_op = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         one_stage = cute.select(sQ_layout, mode=[0, 1])
@@ -152,23 +160,22 @@ class FlexBwdSm90:
         tma_dk, mdK_t = cpasync.make_tiled_tma_atom(store_op, mdK, sKV_layout, (tile_n, hd))
         tma_dv, mdV_t = cpasync.make_tiled_tma_atom(store_op, mdV, sKV_layout, (tile_n, hd))
         tma_dq, mdQ_t = cpasync.make_tiled_tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum,
-                                                    cute.select(sdQ_layout, mode=[0, 1]), (tile_m, self.dq_cols))
-
-        @cute.struct
-        class Storage:
-            mbar_kv: cute.struct.MemRange[Int64, 2]
-            mbar_qdo: cute.struct.MemRange[Int64, 2 * self.num_stages]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sdS_layout)], 1024]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, cute.cosize(sdQ_layout)], 1024]
+                                                    cute.select(sdQ_layout, mode=[0, 1]),
+                                                    (self.dq_rows, self.dq_cols))
+        if cutlass.const_expr(self.stats_in_smem):
+            # The producer's bulk copies of LSE2/D rows need 16-byte aligned sources. Row offsets are multiples of
+            # tile_m * 4 bytes (the launcher pads rows to whole tiles) and torch allocations are 256-byte aligned.
+            mLSE2, mDpsum = [cute.make_tensor(cute.make_ptr(Float32, t.iterator.toint(), cute.AddressSpace.gmem,
+                                                            assumed_align=16), t.layout) for t in (mLSE2, mDpsum)]
+        Storage = self.shared_storage(sKV_layout, sQ_layout, sdS_layout, sdQ_layout)
 
         # P = exp2(x * c - LSE2): x is the raw score (c folds in the softmax scale) or the modded, scaled score.
         log2_scale = Float32(LOG2_E) if cutlass.const_expr(self.score_mod is not None) else softmax_scale * LOG2_E
-        # Grid (KV heads, batch, KV tiles): the heads of one KV tile run side by side and share Q/dO reads in L2.
+        # Grid (KV heads, batch, KV tiles), or with kv_tiles_first (KV tiles, KV heads, batch). Either way a lower
+        # KV tile of the same (batch, head) is launched earlier, which deterministic mode's dQ ordering relies on.
         grid = [cute.size(mK.shape[2]), cute.size(mK.shape[3]), cute.ceil_div(mK.shape[0], tile_n)]
+        if cutlass.const_expr(self.kv_tiles_first):
+            grid = [cute.ceil_div(mK.shape[0], tile_n), cute.size(mK.shape[2]), cute.size(mK.shape[3])]
         self.kernel(mQ_t, mK_t, mV_t, mdO_t, mdK_t, mdV_t, mdQ_t, mLSE2, mDpsum, tma_q, tma_k, tma_v, tma_do,
                     tma_dk, tma_dv, tma_dq, softmax_scale, log2_scale, qhead_per_kvhead, sparse, aux_tensors,
                     aux_scalars, aux_grads, mdQsem, mRank, sKV_layout, sQ_layout, sdS_layout, sdQ_layout,
@@ -200,7 +207,7 @@ class FlexBwdSm90:
             consumer_group=consumer_warps, tx_count=2 * kv_bytes, defer_sync=True)
         pipe_qdo = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_qdo.data_ptr(), num_stages=self.num_stages, producer_group=tma_thread,
-            consumer_group=consumer_warps, tx_count=2 * q_bytes, defer_sync=True)
+            consumer_group=consumer_warps, tx_count=2 * q_bytes + self.stats_bytes(), defer_sync=True)
         pipeline.pipeline_init_arrive()
 
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
@@ -208,7 +215,14 @@ class FlexBwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
-        head_kv, batch, n_block = cute.arch.block_idx()
+        stats = None  # (mLSE2, mDpsum, sLSE2, sDpsum) when the row statistics travel through shared memory
+        if cutlass.const_expr(self.stats_in_smem):
+            rows = cute.make_layout((self.tile_m, self.num_stages))
+            stats = (mLSE2, mDpsum, storage.sLSE2.get_tensor(rows), storage.sDpsum.get_tensor(rows))
+        if cutlass.const_expr(self.kv_tiles_first):
+            n_block, head_kv, batch = cute.arch.block_idx()
+        else:
+            head_kv, batch, n_block = cute.arch.block_idx()
         head_kv, batch, n_block = Int32(head_kv), Int32(batch), Int32(n_block)
         num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
         pipeline.pipeline_init_wait()
@@ -217,54 +231,22 @@ class FlexBwdSm90:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.load(mQ, mK, mV, mdO, sQ, sK, sV, sdO, tma_q, tma_k, tma_v, tma_do, pipe_kv, pipe_qdo,
-                          n_block, head_kv, batch, qhead_per_kvhead, num_m_blocks, sparse)
+                          n_block, head_kv, batch, qhead_per_kvhead, num_m_blocks, sparse, stats)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             tidx = cute.arch.thread_idx()[0] - 128
             self.consume(mQ, mK, mdK, mdV, mdQ, mLSE2, mDpsum, sQ, sK, sV, sdO, sdS, storage, sKV_layout, sdQ_layout,
                          tma_dk, tma_dv, tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_kv, pipe_qdo,
                          tidx, warp_idx, n_block, head_kv, batch, qhead_per_kvhead, num_m_blocks, sparse,
-                         softmax_scale, log2_scale, aux_tensors, aux_scalars, aux_grads, mdQsem, mRank)
-
-    @cute.jit
-    def load(self, mQ, mK, mV, mdO, sQ, sK, sV, sdO, tma_q, tma_k, tma_v, tma_do, pipe_kv, pipe_qdo,
-             n_block: Int32, head_kv: Int32, batch: Int32, qhead_per_kvhead: Int32, num_m_blocks: Int32, sparse):
-        """Producer warp: K and V once, then (Q, dO) per query tile of every query head in the GQA group."""
-        gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
-        gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
-        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
-                                           cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
-                                           cute.group_modes(gV, 0, 2))
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        pipe_kv.producer_acquire(kv_state)
-        cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-        cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
-
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        for g in cutlass.range(qhead_per_kvhead, unroll=1):
-            head = head_kv * qhead_per_kvhead + g
-            gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
-            gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
-            tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
-                                               cute.group_modes(gQ, 0, 2))
-            tdOsdO, tdOgdO = cpasync.tma_partition(tma_do, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2),
-                                                   cute.group_modes(gdO, 0, 2))
-            sched = KvSchedule(sparse, batch, head, n_block, num_m_blocks)
-            for i in cutlass.range(sched.total, unroll=1):
-                m_block = sched.block(i)
-                pipe_qdo.producer_acquire(state)
-                bar = pipe_qdo.producer_get_barrier(state)
-                cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
-                cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar)
-                state.advance()
+                         softmax_scale, log2_scale, aux_tensors, aux_scalars, aux_grads, mdQsem, mRank, stats)
 
     @cute.jit
     def consume(self, mQ, mK, mdK, mdV, mdQ, mLSE2, mDpsum, sQ, sK, sV, sdO, sdS, storage, sKV_layout, sdQ_layout,
                 tma_dk, tma_dv, tma_dq, tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma,
                 tiled_mma_dq: cute.TiledMma, pipe_kv, pipe_qdo, tidx: Int32, warp_idx: Int32, n_block: Int32,
                 head_kv: Int32, batch: Int32, qhead_per_kvhead: Int32, num_m_blocks: Int32, sparse,
-                softmax_scale: Float32, log2_scale: Float32, aux_tensors, aux_scalars, aux_grads, mdQsem, mRank):
+                softmax_scale: Float32, log2_scale: Float32, aux_tensors, aux_scalars, aux_grads, mdQsem, mRank,
+                stats):
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
         wg_sdp = tiled_mma_sdp.get_slice(wg * 128)
@@ -292,9 +274,27 @@ class FlexBwdSm90:
         thr_st_ds = cute.make_tiled_copy_C(st_ds, tiled_mma_sdp).get_slice(tidx)
         tdSsdS = thr_st_ds.partition_D(transpose_smem(sdS))
         thr_dq = tiled_mma_dq.get_slice(tidx)
-        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)  # (tile_m, dq_cols, wg)
-        tdQsdQ = thr_dq.partition_C(cute.group_modes(sdQ, 1, 3))  # viewed as the (tile_m, head_dim) C tile
+        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)  # (dq_rows, dq_cols, wg)
+        if cutlass.const_expr(self.dq_split_rows):  # viewed as the (tile_m, head_dim) C tile: row = r + 64 wg
+            tdQsdQ = thr_dq.partition_C(cute.composition(sdQ, cute.make_layout(
+                ((self.dq_rows, self.num_wg), self.head_dim), stride=((1, self.dq_rows * self.head_dim),
+                                                                      self.dq_rows))))
+        else:  # viewed as the (tile_m, head_dim) C tile: column = c + dq_cols wg
+            tdQsdQ = thr_dq.partition_C(cute.group_modes(sdQ, 1, 3))
         sdQ_mine = sdQ[None, None, wg]
+        dq_col_block = wg  # the column block of the global dQ tile this warpgroup reduces into
+        if cutlass.const_expr(self.dq_split_rows):
+            dq_col_block = 0  # (every column; the row block is chosen per step, `dq_tile_index`)
+        sLSE2 = sDpsum = None
+        if cutlass.const_expr(stats is not None):
+            sLSE2, sDpsum = stats[2], stats[3]
+        ops = StepOperands(tSrK=tSrK, tSrQ=tSrQ, tPrV=tPrV, tPrdO=tPrdO, tVrdOt=tVrdOt, tKrQt=tKrQt, tVrP=tVrP,
+                           tQrdS=tQrdS, tQrKt=tQrKt, s_shape=s_shape, dq_shape=dq_shape, coords=coords, st_ds=st_ds,
+                           thr_st_ds=thr_st_ds, tdSsdS=tdSsdS, tdQsdQ=tdQsdQ, sLSE2=sLSE2, sDpsum=sDpsum)
+        if cutlass.const_expr(self.rebuild_ds_store):
+            ops.tdSsdS = None
+            ops.ds_store_view = lambda: cute.make_tiled_copy_C(st_ds, tiled_mma_sdp).get_slice(
+                opaque_i32(cute.arch.thread_idx()[0]) - 128).partition_D(transpose_smem(sdS))
 
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         kv_start = n_block * self.tile_n
@@ -306,156 +306,21 @@ class FlexBwdSm90:
         for g in cutlass.range(qhead_per_kvhead, unroll=1):
             head = head_kv * qhead_per_kvhead + g
             sched = KvSchedule(sparse, batch, head, n_block, num_m_blocks)
-            gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.tile_m, self.dq_cols), (None, wg))
+            gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.dq_rows, self.dq_cols), (None, dq_col_block))
             tdQs, tdQg = cpasync.tma_partition(tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ_mine, 0, 2),
                                                cute.group_modes(gdQ, 0, 2))
             order = (mdQsem, mRank, sched.b, sched.h, n_block)
             mods = (batch, head, seqlen_q - 1, seqlen_k - 1, softmax_scale, aux_tensors, aux_scalars, aux_grads, order)
             for i in cutlass.range(sched.total, unroll=1):
-                self.step(sched.block(i), i < sched.num_partial, state, ds_index, tSrK, tSrQ, tPrV, tPrdO, tVrdOt,
-                          tKrQt, tVrP, st_ds, thr_st_ds, tQrdS, tQrKt, acc_dK, acc_dV, s_shape, dq_shape, coords,
-                          tdSsdS, tdQsdQ, tdQs, tdQg, tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_qdo,
-                          mLSE2, mDpsum, kv_start, seqlen_k, log2_scale, mods, wg)
+                self.step(sched.block(i), i < sched.num_partial, state, ds_index, ops, acc_dK, acc_dV, tdQs, tdQg,
+                          tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_qdo, mLSE2, mDpsum, kv_start,
+                          seqlen_k, log2_scale, mods, wg)
                 state.advance()
                 ds_index = 1 - ds_index
         if dq_issuer():
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last dQ reduce has read shared memory
         self.epilogue(acc_dK, acc_dV, softmax_scale, mdK, mdV, storage, sKV_layout, tma_dk, tma_dv,
                       tiled_mma_dkv, tidx, warp_idx, n_block, head_kv, batch)
-
-    @cute.jit
-    def step(self, m_block: Int32, partial, state, ds_index: Int32, tSrK, tSrQ, tPrV, tPrdO, tVrdOt, tKrQt, tVrP,
-             st_ds, thr_st_ds, tQrdS, tQrKt, acc_dK, acc_dV, s_shape, dq_shape, coords, tdSsdS, tdQsdQ, tdQs, tdQg,
-             tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_qdo, mLSE2, mDpsum, kv_start: Int32,
-             seqlen_k: Int32, log2_scale: Float32, mods, wg: Int32):
-        """One query tile against this CTA's keys: S^T, dP^T, P, dS, then dV, dK, and this tile's dQ partial.
-
-        `partial`: the block mask lists this tile as partial, so mask_mod applies (a runtime branch, which keeps
-        one copy of the step in the binary instead of one per block kind)."""
-        batch, head, q_last, kv_last, softmax_scale, aux_tensors, aux_scalars, aux_grads, order = mods
-        q_start = m_block * self.tile_m
-        pipe_qdo.consumer_wait(state)
-        acc_S = cute.make_rmem_tensor(s_shape, Float32)
-        acc_dP = cute.make_rmem_tensor(s_shape, Float32)
-        wgmma(tiled_mma_sdp, acc_S, tSrK, tSrQ[None, None, None, state.index], True, -1)
-        if cutlass.const_expr(not self.lean):
-            wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, state.index], True, -1)
-            warpgroup.wait_group(1)  # S^T is ready; dP^T is still on the tensor cores
-        else:
-            warpgroup.wait_group(0)
-
-        raw = None
-        if cutlass.const_expr(self.score_mod is not None):
-            raw = cute.make_rmem_tensor(s_shape, Float32)  # the score the mod saw: its derivative needs it
-            raw.store(acc_S.load() * softmax_scale)
-            apply_score_mod(acc_S, coords, self.score_mod, softmax_scale, batch, head, q_start, kv_start, q_last,
-                            kv_last, self.clamp_indices, aux_tensors, aux_scalars)
-        if cutlass.const_expr(self.mask_mod is not None):
-            if partial:
-                apply_mask_mod(acc_S, coords, self.mask_mod, batch, head, q_start, kv_start, q_last, kv_last,
-                               self.clamp_indices, aux_tensors, aux_scalars)
-        if kv_start + self.tile_n > seqlen_k:
-            mask_kv_tail(acc_S, coords, kv_start, seqlen_k)
-
-        # P^T = exp2(x * c - LSE2[q]); each accumulator column is one query row.
-        s_cols, c_cols = rows_view(acc_S), rows_view(coords)
-        for j in cutlass.range_constexpr(cute.size(s_cols, mode=[1])):
-            lse2 = Float32(mLSE2[batch, head, q_start + c_cols[0, j][0]])
-            for r in cutlass.range_constexpr(cute.size(s_cols, mode=[0])):
-                s_cols[r, j] = cute.math.exp2(s_cols[r, j] * log2_scale - lse2, fastmath=True)
-        if cutlass.const_expr(self.lean):
-            # P goes to 16 bits now (its fp32 registers die), and dV += P^T dO runs beside dP^T = V dO^T.
-            rP = cute.make_rmem_tensor_like(acc_S, self.dtype)  # accumulator order; as_operand_a re-views it
-            convert_to_16bit(acc_S, rP)
-            wgmma(tiled_mma_dkv, acc_dV, as_operand_a(rP), tVrdOt[None, None, None, state.index], False, -1)
-            wgmma(tiled_mma_sdp, acc_dP, tPrV, tPrdO[None, None, None, state.index], True, -1)
-            warpgroup.wait_group(0)
-            s_cols = rows_view(rP)
-        else:
-            warpgroup.wait_group(0)
-        # dS^T = P^T * (dP^T - D[q])
-        dp_cols = rows_view(acc_dP)
-        for j in cutlass.range_constexpr(cute.size(dp_cols, mode=[1])):
-            d = Float32(mDpsum[batch, head, q_start + c_cols[0, j][0]])
-            for r in cutlass.range_constexpr(cute.size(dp_cols, mode=[0])):
-                dp_cols[r, j] = Float32(s_cols[r, j]) * (dp_cols[r, j] - d)
-        if cutlass.const_expr(self.score_mod is not None):
-            self.mod_backward(acc_dP, raw, coords, batch, head, q_start, kv_start, q_last, kv_last, aux_tensors,
-                              aux_scalars, aux_grads)
-
-        if cutlass.const_expr(not self.lean):
-            convert_to_16bit(as_operand_a(acc_S), tVrP)
-        rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
-        convert_to_16bit(acc_dP, rdS)
-        cute.copy(st_ds, thr_st_ds.retile(rdS), tdSsdS[None, None, None, ds_index])
-        cute.arch.fence_view_async_shared()  # dS^T in shared memory must be visible to the wgmma async proxy
-
-        if cutlass.const_expr(not self.lean):
-            wgmma(tiled_mma_dkv, acc_dV, tVrP, tVrdOt[None, None, None, state.index], False, -1)
-        wgmma(tiled_mma_dkv, acc_dK, as_operand_a(rdS), tKrQt[None, None, None, state.index], False, -1)
-        if dq_issuer():
-            cute.arch.cp_async_bulk_wait_group(0, read=True)  # the previous dQ reduce is done with sdQ
-        cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY), number_of_threads=self.num_consumer_threads)
-        acc_dQ = cute.make_rmem_tensor(dq_shape, Float32)
-        wgmma(tiled_mma_dq, acc_dQ, tQrdS[None, None, None, ds_index], tQrKt, True, 0)
-        pipe_qdo.consumer_release(state)
-
-        mine = tdQsdQ[None, None, None]
-        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-            mine[i] = acc_dQ[i]
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_READY_WG1) + wg, number_of_threads=128)
-        if dq_issuer():
-            if cutlass.const_expr(self.deterministic):
-                self.wait_dq_turn(order, batch, head, m_block, wg)
-                cute.arch.sync_warp()  # every lane has seen the turn before the warp-collective copy
-                cute.arch.fence_proxy("async.global")  # the acquire orders the TMA (async proxy) reduce too
-            cute.copy(tma_dq, tdQs, tdQg[None, m_block])  # elects one lane of the warp itself
-            # Every lane commits and waits on its own bulk group (empty for the lanes that issued nothing), so the
-            # lane the copy elected is always covered without knowing which one it was.
-            cute.arch.cp_async_bulk_commit_group()
-            if cutlass.const_expr(self.deterministic):
-                cute.arch.cp_async_bulk_wait_group(0, read=False)  # the reduce has landed in global memory
-                cute.arch.fence_proxy("async.global")  # ... and is ordered before the generic-proxy release
-                cute.arch.sync_warp()
-                if cute.arch.lane_idx() == 0:
-                    mdQsem = order[0]
-                    sem = mdQsem.iterator + cute.crd2idx((batch, head, m_block, wg), mdQsem.layout)
-                    cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
-
-    @cute.jit
-    def wait_dq_turn(self, order, batch: Int32, head: Int32, m_block: Int32, wg: Int32):
-        """Spin until every lower KV tile that visits this Q tile has reduced its dQ half (acquire).
-
-        CTAs are launched KV-tile-slowest, so the ones waited for were launched earlier and can always finish."""
-        mdQsem, mRank, rank_b, rank_h, n_block = order
-        turn = n_block
-        if cutlass.const_expr(mRank is not None):
-            turn = Int32(mRank[rank_b, rank_h, n_block, m_block])
-        sem = mdQsem.iterator + cute.crd2idx((batch, head, m_block, wg), mdQsem.layout)
-        seen = Int32(-1)
-        while seen != turn:
-            seen = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")
-
-    @cute.jit
-    def mod_backward(self, acc_ds, raw, coords, batch: Int32, head: Int32, q_start: Int32, kv_start: Int32,
-                     q_last: Int32, kv_last: Int32, aux_tensors, aux_scalars, aux_grads):
-        """Captured-tensor gradients from dS, then dS -> gradient of the raw score (the generated derivative).
-
-        The indices go through `opaque_i32` so the compiler recomputes the mods' address math here instead of keeping
-        every element's address live since the forward mod ran (at D=64 that alone spilled 88 bytes)."""
-        batch, head, q_start, kv_start = (opaque_i32(x) for x in (batch, head, q_start, kv_start))
-        for i in cutlass.range_constexpr(cute.size(acc_ds)):
-            q_idx = q_start + coords[i][0]
-            kv_idx = kv_start + coords[i][1]
-            if cutlass.const_expr(self.clamp_indices):
-                q_idx = cutlass.min(q_idx, q_last)
-                kv_idx = cutlass.min(kv_idx, kv_last)
-            if cutlass.const_expr(self.aux_grad is not None):
-                self.aux_grad(acc_ds[i], raw[i], batch, head, q_idx, kv_idx, aux_tensors, aux_scalars, aux_grads)
-            if cutlass.const_expr(self.score_mod_bwd is not None):
-                acc_ds[i] = Float32(self.score_mod_bwd(acc_ds[i], raw[i], batch, head, q_idx, kv_idx, aux_tensors,
-                                                       aux_scalars))
 
     @cute.jit
     def epilogue(self, acc_dK, acc_dV, softmax_scale: Float32, mdK, mdV, storage, sKV_layout, tma_dk, tma_dv,

@@ -1,4 +1,4 @@
-"""Named hardware barrier ids of the forward kernel (id 0 is `__syncthreads`)."""
+"""Named hardware barrier ids of the forward and backward kernels (id 0 is `__syncthreads`)."""
 from __future__ import annotations
 
 import enum
@@ -13,3 +13,10 @@ class FwdBarrier(enum.IntEnum):
     # syncs; with one per tile, a warp racing into the next tile's first sync must not meet the storing warp's
     # still-open sync of this tile on the same barrier with a different thread count.
     O_STORED = 5
+
+
+class BwdBarrier(enum.IntEnum):
+    DS_READY = 1  # both consumer warpgroups wrote their half of dS^T to shared memory
+    EPILOGUE = 2  # all GEMMs that read sK/sV are done; dK/dV may overwrite them
+    DQ_READY_WG1 = 3  # one warpgroup's dQ partial is in shared memory, ready for the TMA reduce
+    DQ_READY_WG2 = 4

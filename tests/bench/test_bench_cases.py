@@ -88,3 +88,10 @@ def test_cases_name_the_gallery_variants_they_run():
     assert build_case("softcap_causal", 1, 1, 64, "cpu").gallery_variants == ["softcap", "causal"]
     assert build_case("document", 1, 1, 64, "cpu").gallery_variants == ["document"]
     assert build_case("dense", 1, 1, 64, "cpu").gallery_variants == []
+
+
+def test_deterministic_flexlab_is_measured_on_training_rows_only():
+    from flexlab.bench.peers import PEER_BACKENDS, prepare_flexlab_deterministic
+    assert "flexlab-deterministic" in parse_backends("all") and "flexlab-deterministic" not in PEER_BACKENDS
+    with pytest.raises(Unavailable, match="only the backward"):
+        prepare_flexlab_deterministic(None, None, None, None, None, grad=False)

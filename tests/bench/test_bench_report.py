@@ -24,6 +24,16 @@ def test_best_peer_ignores_flexlab_wrong_and_suspect_results():
     assert _row(sdpa={"status": "n/a", "error": "x"})["best_peer"] is None
 
 
+def test_deterministic_mode_is_priced_against_flexlab_and_is_no_peer():
+    rec = _row("fwd+bwd causal B1 S4k H16 D128 bf16", flexlab=_ok(2.0), fa4=_ok(1.5),
+               **{"flexlab-deterministic": _ok(0.5)})
+    assert rec["best_peer"] == "fa4"  # the deterministic flexlab is faster here, yet it is not a peer
+    assert rec["deterministic_cost"] == 0.5 / 2.0
+    assert "deterministic mode: 0.25x" in format_document({"schema": 1, "environment": {}, "settings": {},
+                                                           "matmul_ceiling_tflops": 790, "rows": [rec]})
+    assert _row(flexlab=_ok(1.0))["deterministic_cost"] is None
+
+
 def test_text_and_markdown_tables(tmp_path):
     rec = _row(flexlab={"status": "n/a", "error": "no kernel"}, sdpa=_ok(0.479, 574.4),
                fa4={"status": "error", "error": "RuntimeError: boom"})

@@ -1,0 +1,160 @@
+"""One step of the backward main loop: a query tile against the CTA's keys, in one consumer warpgroup.
+
+S^T = K Q^T and dP^T = V dO^T on the tensor cores; P^T = exp2(score_mod(s) * c - LSE2[q]) with mask_mod on partial
+blocks and the key tail masked; dS^T = P^T * (dP^T - D[q]) (then the generated derivative of the score_mod, and the
+captured-tensor gradients); dV += P^T dO and dK += dS^T Q with P^T/dS^T as register operands; dS to shared memory,
+where both warpgroups' halves meet for this tile's dQ partial = dS K, handed to `bwd_dq`.
+
+Methods of `FlexBwdSm90` (a mixin): they read the kernel's static configuration from `self`.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from .fwd_sm90 import wgmma
+from .layout import as_operand_a, convert_to_16bit, rows_view
+from .mask import apply_mask_mod, mask_kv_tail
+from .named_barrier import BwdBarrier
+from .score_mod import apply_score_mod
+
+
+@dsl_user_op
+def opaque_i32(x: Int32, *, loc=None, ip=None) -> Int32:
+    """x, hidden from the optimizer: index math derived from it is recomputed rather than kept live from earlier."""
+    return Int32(llvm.inline_asm(T.i32(), [Int32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,r",
+                                 has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+class StepOperands(SimpleNamespace):
+    """The per-thread views one step works on, built once per CTA by `consume` and only read inside the loop:
+    smem-descriptor fragments (tSrK, tSrQ, tPrV, tPrdO, tVrdOt, tKrQt, tQrdS, tQrKt), the register A fragment of P
+    (tVrP), the dS store (st_ds, thr_st_ds, and tdSsdS, or None and a `ds_store_view()` that rebuilds it), the dQ
+    slab view (tdQsdQ), the accumulator shapes (s_shape, dq_shape), the (q, kv) coordinates of the transposed score
+    accumulator (coords) and, with stats_in_smem, the per-stage LSE2/D rows in shared memory (sLSE2, sDpsum; None
+    otherwise)."""
+
+
+class BwdStep:
+    """The per-step math of the backward kernel (mixed into `FlexBwdSm90`)."""
+
+    @cute.jit
+    def step(self, m_block: Int32, partial, state, ds_index: Int32, ops: StepOperands, acc_dK, acc_dV, tdQs, tdQg,
+             tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_qdo, mLSE2, mDpsum, kv_start: Int32,
+             seqlen_k: Int32, log2_scale: Float32, mods, wg: Int32):
+        """One query tile against this CTA's keys: S^T, dP^T, P, dS, then dV, dK, and this tile's dQ partial.
+
+        `partial`: the block mask lists this tile as partial, so mask_mod applies (a runtime branch, which keeps
+        one copy of the step in the binary instead of one per block kind)."""
+        batch, head, q_last, kv_last, softmax_scale, aux_tensors, aux_scalars, aux_grads, order = mods
+        q_start = m_block * self.tile_m
+        coords = ops.coords
+        pipe_qdo.consumer_wait(state)
+        acc_S = cute.make_rmem_tensor(ops.s_shape, Float32)
+        acc_dP = cute.make_rmem_tensor(ops.s_shape, Float32)
+        wgmma(tiled_mma_sdp, acc_S, ops.tSrK, ops.tSrQ[None, None, None, state.index], True, -1)
+        if cutlass.const_expr(not self.lean):
+            wgmma(tiled_mma_sdp, acc_dP, ops.tPrV, ops.tPrdO[None, None, None, state.index], True, -1)
+            warpgroup.wait_group(1)  # S^T is ready; dP^T is still on the tensor cores
+        else:
+            warpgroup.wait_group(0)
+
+        raw = None
+        if cutlass.const_expr(self.score_mod is not None):
+            raw = cute.make_rmem_tensor(ops.s_shape, Float32)  # the score the mod saw: its derivative needs it
+            raw.store(acc_S.load() * softmax_scale)
+            apply_score_mod(acc_S, coords, self.score_mod, softmax_scale, batch, head, q_start, kv_start, q_last,
+                            kv_last, self.clamp_indices, aux_tensors, aux_scalars)
+        if cutlass.const_expr(self.mask_mod is not None):
+            if partial:
+                apply_mask_mod(acc_S, coords, self.mask_mod, batch, head, q_start, kv_start, q_last, kv_last,
+                               self.clamp_indices, aux_tensors, aux_scalars)
+        if kv_start + self.tile_n > seqlen_k:
+            mask_kv_tail(acc_S, coords, kv_start, seqlen_k)
+
+        # P^T = exp2(x * c - LSE2[q]); each accumulator column is one query row.
+        s_cols, c_cols = rows_view(acc_S), rows_view(coords)
+        for j in cutlass.range_constexpr(cute.size(s_cols, mode=[1])):
+            lse2 = self.row_stat(mLSE2, ops.sLSE2, batch, head, q_start, c_cols[0, j][0], state.index)
+            for r in cutlass.range_constexpr(cute.size(s_cols, mode=[0])):
+                s_cols[r, j] = cute.math.exp2(s_cols[r, j] * log2_scale - lse2, fastmath=True)
+        if cutlass.const_expr(self.lean):
+            # P goes to 16 bits now (its fp32 registers die), and dV += P^T dO runs beside dP^T = V dO^T.
+            rP = cute.make_rmem_tensor_like(acc_S, self.dtype)  # accumulator order; as_operand_a re-views it
+            convert_to_16bit(acc_S, rP)
+            wgmma(tiled_mma_dkv, acc_dV, as_operand_a(rP), ops.tVrdOt[None, None, None, state.index], False, -1)
+            wgmma(tiled_mma_sdp, acc_dP, ops.tPrV, ops.tPrdO[None, None, None, state.index], True, -1)
+            warpgroup.wait_group(0)
+            s_cols = rows_view(rP)
+        else:
+            warpgroup.wait_group(0)
+        # dS^T = P^T * (dP^T - D[q])
+        dp_cols = rows_view(acc_dP)
+        for j in cutlass.range_constexpr(cute.size(dp_cols, mode=[1])):
+            d = self.row_stat(mDpsum, ops.sDpsum, batch, head, q_start, c_cols[0, j][0], state.index)
+            for r in cutlass.range_constexpr(cute.size(dp_cols, mode=[0])):
+                dp_cols[r, j] = Float32(s_cols[r, j]) * (dp_cols[r, j] - d)
+        if cutlass.const_expr(self.score_mod is not None):
+            self.mod_backward(acc_dP, raw, coords, batch, head, q_start, kv_start, q_last, kv_last, aux_tensors,
+                              aux_scalars, aux_grads)
+
+        if cutlass.const_expr(not self.lean):
+            convert_to_16bit(as_operand_a(acc_S), ops.tVrP)
+        rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
+        convert_to_16bit(acc_dP, rdS)
+        tdSsdS = ops.tdSsdS if ops.tdSsdS is not None else ops.ds_store_view()
+        cute.copy(ops.st_ds, ops.thr_st_ds.retile(rdS), tdSsdS[None, None, None, ds_index])
+        cute.arch.fence_view_async_shared()  # dS^T in shared memory must be visible to the wgmma async proxy
+
+        if cutlass.const_expr(not self.lean):
+            wgmma(tiled_mma_dkv, acc_dV, ops.tVrP, ops.tVrdOt[None, None, None, state.index], False, -1)
+        if cutlass.const_expr(not self.dk_after_dq):
+            wgmma(tiled_mma_dkv, acc_dK, as_operand_a(rdS), ops.tKrQt[None, None, None, state.index], False, -1)
+        self.wait_dq_slab_free()
+        cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY), number_of_threads=self.num_consumer_threads)
+        acc_dQ = cute.make_rmem_tensor(ops.dq_shape, Float32)
+        if cutlass.const_expr(self.dk_after_dq):
+            # dQ first, then dK; waiting for all but the newest group leaves dK on the tensor cores while the dQ
+            # partial goes to shared memory and TMA. The stage (Q is dK's B operand) is released once dK is done.
+            wgmma(tiled_mma_dq, acc_dQ, ops.tQrdS[None, None, None, ds_index], ops.tQrKt, True, -1)
+            wgmma(tiled_mma_dkv, acc_dK, as_operand_a(rdS), ops.tKrQt[None, None, None, state.index], False, 1)
+            self.reduce_dq(acc_dQ, ops.tdQsdQ, tdQs, tdQg, tma_dq, m_block, order, batch, head, wg)
+            warpgroup.wait_group(0)
+            pipe_qdo.consumer_release(state)
+        else:
+            wgmma(tiled_mma_dq, acc_dQ, ops.tQrdS[None, None, None, ds_index], ops.tQrKt, True, 0)
+            pipe_qdo.consumer_release(state)
+            self.reduce_dq(acc_dQ, ops.tdQsdQ, tdQs, tdQg, tma_dq, m_block, order, batch, head, wg)
+
+    def row_stat(self, mRows, sRows, batch: Int32, head: Int32, q_start: Int32, q: Int32, stage: Int32) -> Float32:
+        """LSE2 or D of query row q of this tile: from this stage's shared-memory copy (stats_in_smem) or from the
+        padded global buffer (a plain trace-time helper: the choice is static)."""
+        if sRows is not None:
+            return Float32(sRows[q, stage])
+        return Float32(mRows[batch, head, q_start + q])
+
+    @cute.jit
+    def mod_backward(self, acc_ds, raw, coords, batch: Int32, head: Int32, q_start: Int32, kv_start: Int32,
+                     q_last: Int32, kv_last: Int32, aux_tensors, aux_scalars, aux_grads):
+        """Captured-tensor gradients from dS, then dS -> gradient of the raw score (the generated derivative).
+
+        The indices go through `opaque_i32` so the compiler recomputes the mods' address math here instead of keeping
+        every element's address live since the forward mod ran (at D=64 that alone spilled 88 bytes)."""
+        batch, head, q_start, kv_start = (opaque_i32(x) for x in (batch, head, q_start, kv_start))
+        for i in cutlass.range_constexpr(cute.size(acc_ds)):
+            q_idx = q_start + coords[i][0]
+            kv_idx = kv_start + coords[i][1]
+            if cutlass.const_expr(self.clamp_indices):
+                q_idx = cutlass.min(q_idx, q_last)
+                kv_idx = cutlass.min(kv_idx, kv_last)
+            if cutlass.const_expr(self.aux_grad is not None):
+                self.aux_grad(acc_ds[i], raw[i], batch, head, q_idx, kv_idx, aux_tensors, aux_scalars, aux_grads)
+            if cutlass.const_expr(self.score_mod_bwd is not None):
+                acc_ds[i] = Float32(self.score_mod_bwd(acc_ds[i], raw[i], batch, head, q_idx, kv_idx, aux_tensors,
+                                                       aux_scalars))
