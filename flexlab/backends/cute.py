@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 
 import torch
@@ -57,8 +58,11 @@ class _Lowered:
                                                                                      g.aux_scalar_kinds))
         specs = tuple((str(t.dtype).removeprefix("torch."), t.dim()) for t in self.aux_tensors)
         kinds = tuple("float" if k == "float" else "int" for k in g.aux_scalar_kinds)
+        # Keyed by the generated text itself, not only the traced graph: a change in the code generator's output
+        # must never load a kernel compiled from older generated code out of the on-disk cache.
+        source_hash = hashlib.sha256(g.source.encode()).hexdigest()
         self.mods = KernelMods(module.score_mod if g.has_score_mod else None,
-                               module.mask_mod if g.has_mask_mod else None, g.hash, specs, kinds)
+                               module.mask_mod if g.has_mask_mod else None, source_hash, specs, kinds)
         self._per_device: dict = {}
 
     def tensors_on(self, device) -> tuple:
@@ -148,6 +152,16 @@ def is_supported(q, k, v, score_mod, block_mask, scale, enable_gqa) -> tuple[boo
                             None if block_mask is None else block_mask.mask_mod,
                             None if block_mask is None else block_mask.BLOCK_SIZE)
     return not reason, reason
+
+
+def kernel_mods(score_mod, mask_mod):
+    """The `KernelMods` backend="cute" compiles for these mods (a noop mask counts as none), for tools that build
+    or inspect kernels outside a launch (precompilation, the compile report)."""
+    from ..runtime.compile import KernelMods
+    mask_mod = None if _is_noop_mask(mask_mod) else mask_mod
+    if score_mod is None and mask_mod is None:
+        return KernelMods()
+    return _lowered(score_mod, mask_mod).mods
 
 
 def captured_requires_grad(score_mod, mask_mod) -> bool:

@@ -242,12 +242,24 @@ class CompileReport:
     compile_seconds: float
 
 
+def forward_ptx(key: CompileKey, mods: KernelMods = KernelMods()) -> str:
+    """PTX text of the forward kernel for `key`, compiled without a GPU (TVM-FFI off: PTX, not a shared object)."""
+    import dataclasses
+    import warnings
+    key = dataclasses.replace(key, tvm_ffi=False)
+    with warnings.catch_warnings(), tempfile.TemporaryDirectory(prefix="flexlab-ptx-") as dump:
+        warnings.filterwarnings("ignore", message=".*cannot be converted to a JitArgument.*")
+        compiled = _build(key, mods, extra_options=f" --keep-ptx --dump-dir {dump}")
+    ptx = getattr(compiled, "__ptx__", None)
+    if not ptx:
+        raise RuntimeError("the compiled kernel carries no PTX text (--keep-ptx had no effect)")
+    return ptx
+
+
 def compile_report(key: CompileKey, mods: KernelMods = KernelMods()) -> CompileReport:
     """Compile to PTX (no GPU needed), assemble it with the system ptxas, and report registers/spills/instructions."""
-    import dataclasses
-    key = dataclasses.replace(key, tvm_ffi=False)
     t0 = time.perf_counter()
-    ptx = _build(key, mods, extra_options=" --keep-ptx").__ptx__
+    ptx = forward_ptx(key, mods)
     seconds = time.perf_counter() - t0
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"

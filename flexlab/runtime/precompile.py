@@ -22,7 +22,7 @@ def _one(job: tuple) -> tuple[str, float, str]:
     name, head_dim, dtype_name = job
     import torch
 
-    from ..backends.cute import _is_noop_mask, _lowered
+    from ..backends.cute import kernel_mods
     from ..gallery import get_variant
     from .compile import KernelMods, kernel_cache
     from .launch import compile_key, config_for
@@ -37,11 +37,7 @@ def _one(job: tuple) -> tuple[str, float, str]:
             v = get_variant(name)
             m = v.build(1, 4, *next(ql for ql in [(1000, 1000), (1023, 1024), (256, 1000)] if v.accepts_lengths(*ql)))
             sparse = m.mask_mod is not None  # callers build a BlockMask whenever there is a mask_mod
-            mask_mod = None if _is_noop_mask(m.mask_mod) else m.mask_mod
-            if m.score_mod is None and mask_mod is None:
-                mods = KernelMods()
-            else:
-                mods = _lowered(m.score_mod, mask_mod).mods
+            mods = kernel_mods(m.score_mod, m.mask_mod)
         key = compile_key(mods, dtype, config_for(head_dim, sparse, mods), "sm_90a", sparse)
         kernel_cache().get(key, mods)
         return label, time.perf_counter() - t0, ""

@@ -262,7 +262,8 @@ def forward_kernel_report(score_mod=None, mask_mod=None, *, dtype: str = "bfloat
     rep = CompileReport(kernel=kernel, arch=arch, smem_dynamic_bytes=cfg.smem_bytes())
     t0 = time.perf_counter()
     try:
-        ptx = _forward_ptx(key, mods)
+        from ..runtime.compile import forward_ptx
+        ptx = forward_ptx(key, mods)
     except Exception as err:                                       # noqa: BLE001 - shown in the report
         rep.errors.append(f"compiling the forward kernel failed: {type(err).__name__}: {str(err)[:2000]}")
         return rep
@@ -281,25 +282,10 @@ def _forward_key(score_mod, mask_mod, dtype: str, head_dim: int, block_sparse: O
 
     from ..backends import cute as backend
     from ..runtime import launch
-    from ..runtime.compile import KernelMods
 
-    mask = None if mask_mod is None or backend._is_noop_mask(mask_mod) else mask_mod
-    mods = KernelMods() if score_mod is None and mask is None else backend._lowered(score_mod, mask).mods
-    sparse = (mask is not None) if block_sparse is None else bool(block_sparse)
+    mods = backend.kernel_mods(score_mod, mask_mod)
+    sparse = (mods.mask_mod is not None) if block_sparse is None else bool(block_sparse)
     cfg = launch.config_for(head_dim, sparse, mods)
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     key = dataclasses.replace(launch.compile_key(mods, torch_dtype, cfg, arch, sparse), tvm_ffi=False)
     return key, mods, cfg
-
-
-def _forward_ptx(key, mods) -> str:
-    import warnings
-
-    from ..runtime import compile as rc
-    with warnings.catch_warnings(), tempfile.TemporaryDirectory(prefix="flexlab-ptx-") as dump:
-        warnings.filterwarnings("ignore", message=".*cannot be converted to a JitArgument.*")
-        compiled = rc._build(key, mods, extra_options=f" --keep-ptx --dump-dir {dump}")
-    ptx = getattr(compiled, "__ptx__", None)
-    if not ptx:
-        raise RuntimeError("the compiled kernel carries no PTX text (--keep-ptx had no effect)")
-    return ptx

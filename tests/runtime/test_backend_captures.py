@@ -43,3 +43,19 @@ def test_in_place_edit_of_captured_tensor_is_seen():
     bias += 1.5
     second = backend._lowered(score_mod, None)
     assert second is not first and torch.equal(second.aux_tensors[0], torch.full((8,), 1.5))
+
+
+def test_kernel_key_follows_the_generated_text_not_only_the_graph(monkeypatch):
+    """Two generator outputs for one traced graph must never share a compiled kernel (on disk, across versions)."""
+    import hashlib
+
+    from flexlab.backends import cute as backend
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 20.0 * torch.tanh(score / 20.0)
+
+    low = backend._lowered(softcap, None)
+    from flexlab.codegen import generate
+    g = generate(softcap, None, fastmath=True)
+    assert low.mods.source_hash == hashlib.sha256(g.source.encode()).hexdigest()
+    assert low.mods.source_hash != g.hash
