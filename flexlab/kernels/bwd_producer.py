@@ -16,6 +16,7 @@ from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 
 from .block_sparse import KvSchedule
+from .layout import tma_tiles
 
 
 class BwdProducer:
@@ -30,10 +31,8 @@ class BwdProducer:
         `stats`: None, or (mLSE2, mDpsum, sLSE2, sDpsum) when the row statistics travel through shared memory."""
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
-        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
-                                           cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
-                                           cute.group_modes(gV, 0, 2))
+        tKsK, tKgK = tma_tiles(tma_k, sK, gK)
+        tVsV, tVgV = tma_tiles(tma_v, sV, gV)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipe_kv.producer_acquire(kv_state)
         cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
@@ -44,10 +43,8 @@ class BwdProducer:
             head = head_kv * qhead_per_kvhead + g
             gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
             gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
-            tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
-                                               cute.group_modes(gQ, 0, 2))
-            tdOsdO, tdOgdO = cpasync.tma_partition(tma_do, 0, cute.make_layout(1), cute.group_modes(sdO, 0, 2),
-                                                   cute.group_modes(gdO, 0, 2))
+            tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
+            tdOsdO, tdOgdO = tma_tiles(tma_do, sdO, gdO)
             sched = KvSchedule(sparse, batch, head, n_block, num_m_blocks)
             for i in cutlass.range(sched.total, unroll=1):
                 m_block = sched.block(i)

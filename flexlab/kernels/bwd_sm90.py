@@ -49,7 +49,7 @@ from .bwd_config import BwdConfig
 from .bwd_dq import BwdDqReduce, dq_issuer
 from .bwd_producer import BwdProducer
 from .bwd_step import BwdStep, StepOperands, opaque_i32
-from .layout import bshd_view, convert_to_16bit, transpose_smem
+from .layout import bshd_view, convert_to_16bit, tma_tiles, transpose_smem
 from .named_barrier import BwdBarrier
 
 __all__ = ["BwdBarrier", "FlexBwdSm90", "dq_issuer", "fake_arguments"]
@@ -307,8 +307,7 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
             head = head_kv * qhead_per_kvhead + g
             sched = KvSchedule(sparse, batch, head, n_block, num_m_blocks)
             gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.dq_rows, self.dq_cols), (None, dq_col_block))
-            tdQs, tdQg = cpasync.tma_partition(tma_dq, 0, cute.make_layout(1), cute.group_modes(sdQ_mine, 0, 2),
-                                               cute.group_modes(gdQ, 0, 2))
+            tdQs, tdQg = tma_tiles(tma_dq, sdQ_mine, gdQ)
             order = (mdQsem, mRank, sched.b, sched.h, n_block)
             mods = (batch, head, seqlen_q - 1, seqlen_k - 1, softmax_scale, aux_tensors, aux_scalars, aux_grads, order)
             for i in cutlass.range(sched.total, unroll=1):
@@ -344,10 +343,8 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         if warp_idx == 4:
             gdK = cute.local_tile(mdK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
             gdV = cute.local_tile(mdV[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
-            tdKs, tdKg = cpasync.tma_partition(tma_dk, 0, cute.make_layout(1), cute.group_modes(sdK, 0, 2),
-                                               cute.group_modes(gdK, 0, 2))
-            tdVs, tdVg = cpasync.tma_partition(tma_dv, 0, cute.make_layout(1), cute.group_modes(sdV, 0, 2),
-                                               cute.group_modes(gdV, 0, 2))
+            tdKs, tdKg = tma_tiles(tma_dk, sdK, gdK)
+            tdVs, tdVg = tma_tiles(tma_dv, sdV, gdV)
             with cute.arch.elect_one():
                 cute.copy(tma_dk, tdKs, tdKg)
                 cute.copy(tma_dv, tdVs, tdVg)

@@ -38,7 +38,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .block_sparse import KvSchedule
 from .config import FwdConfig
-from .layout import as_operand_a, bshd_view, convert_to_16bit, rows_view, transpose_smem
+from .layout import as_operand_a, bshd_view, convert_to_16bit, rows_view, tma_tiles, transpose_smem
 from .mask import apply_mask_mod, mask_kv_tail
 from .named_barrier import FwdBarrier
 from .score_mod import apply_score_mod
@@ -230,14 +230,11 @@ class FlexFwdSm90:
 
         Persistent: the first K goes before Q, so it can land while the previous tile still holds the Q buffer."""
         gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
-        tQsQ, tQgQ = cpasync.tma_partition(tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
-                                           cute.group_modes(gQ, 0, 2))
+        tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
-        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1), cute.group_modes(sK, 0, 2),
-                                           cute.group_modes(gK, 0, 2))
-        tVsV, tVgV = cpasync.tma_partition(tma_v, 0, cute.make_layout(1), cute.group_modes(sV, 0, 2),
-                                           cute.group_modes(gV, 0, 2))
+        tKsK, tKgK = tma_tiles(tma_k, sK, gK)
+        tVsV, tVgV = tma_tiles(tma_v, sV, gV)
         if cutlass.const_expr(not self.persistent):
             pipe_q.producer_acquire(q_state)
             cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
@@ -487,8 +484,7 @@ class FlexFwdSm90:
             if warp_idx == 4:
                 cute.arch.barrier(barrier_id=stored, number_of_threads=self.num_consumer_threads + 32)
                 gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
-                tOsO, tOgO = cpasync.tma_partition(tma_o, 0, cute.make_layout(1), cute.group_modes(sO, 0, 2),
-                                                   cute.group_modes(gO, 0, 2))
+                tOsO, tOgO = tma_tiles(tma_o, sO, gO)
                 with cute.arch.elect_one():
                     cute.copy(tma_o, tOsO, tOgO)
                     cute.arch.cp_async_bulk_commit_group()

@@ -13,6 +13,14 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 
+def tma_tiles(atom, smem: cute.Tensor, gmem: cute.Tensor):
+    """(shared, global) views for one CTA's TMA copies between `smem` and the tile(s) `gmem` (no multicast): the
+    tile's two modes grouped into one, so `cute.copy(atom, g[None, i], s[None, stage])` moves whole tiles."""
+    from cutlass.cute.nvgpu import cpasync
+    return cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem, 0, 2),
+                                 cute.group_modes(gmem, 0, 2))
+
+
 def rows_view(acc: cute.Tensor) -> cute.Tensor:
     """(rows, cols) view of a thread's accumulator: rows = (row +0/+8, MMA_M), cols = (pair, N/8 block, MMA_N)."""
     flat = cute.make_layout(acc.layout.shape)  # column-major numbering of the fragment's own shape

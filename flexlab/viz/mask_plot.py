@@ -307,24 +307,16 @@ def compare_mods(mod_a: Callable, mod_b: Callable, *, q_len: int, kv_len: Option
 def mask_widget(mask_mod: Optional[MaskMod] = None, score_mod: Optional[ScoreMod] = None, *, q_len: int,
                 kv_len: Optional[int] = None, B: int = 1, H: int = 1, **plot_kwargs):
     """An ipywidgets box: the heatmap plus b / h sliders that re-evaluate the mods for the chosen batch and head."""
-    import ipywidgets as widgets
     import plotly.graph_objects as go
 
-    b_slider = widgets.IntSlider(value=0, min=0, max=max(B - 1, 0), description="b", disabled=B <= 1)
-    h_slider = widgets.IntSlider(value=0, min=0, max=max(H - 1, 0), description="h", disabled=H <= 1)
-    fig = go.FigureWidget(plot_mask(mask_mod, score_mod, q_len=q_len, kv_len=kv_len, **plot_kwargs))
+    from .bh_sliders import figure_with_bh_sliders
 
-    def redraw(_change=None):
-        new = plot_mask(mask_mod, score_mod, q_len=q_len, kv_len=kv_len, b=b_slider.value, h=h_slider.value,
-                        **plot_kwargs)
+    def redraw(fig, b, h):
+        new = plot_mask(mask_mod, score_mod, q_len=q_len, kv_len=kv_len, b=b, h=h, **plot_kwargs)
         with fig.batch_update():
             for old_trace, new_trace in zip(fig.data, new.data):
                 old_trace.z = new_trace.z
             fig.layout.title = new.layout.title
 
-    b_slider.observe(redraw, names="value")
-    h_slider.observe(redraw, names="value")
-    box = widgets.VBox([widgets.HBox([b_slider, h_slider]), fig])
-    box.add_class("flexlab-mask-plot")
-    box.figure, box.b_slider, box.h_slider = fig, b_slider, h_slider
-    return box
+    fig = go.FigureWidget(plot_mask(mask_mod, score_mod, q_len=q_len, kv_len=kv_len, **plot_kwargs))
+    return figure_with_bh_sliders(fig, B, H, redraw, "flexlab-mask-plot")

@@ -292,27 +292,18 @@ class SparsityReport:
 
     def widget(self):
         """The figure with b / h sliders (ipywidgets) to walk through the batches and heads of the mask."""
-        import ipywidgets as widgets
         import plotly.graph_objects as go
 
-        B, H = self.states.shape[:2]
-        b_slider = widgets.IntSlider(value=0, min=0, max=B - 1, description="b", disabled=B == 1)
-        h_slider = widgets.IntSlider(value=0, min=0, max=H - 1, description="h", disabled=H == 1)
-        fig = go.FigureWidget(self.figure())
+        from .bh_sliders import figure_with_bh_sliders
 
-        def redraw(_change=None):
-            b, h = b_slider.value, h_slider.value
+        def redraw(fig, b, h):
             trace = self.states_trace(b, h)
             with fig.batch_update():
                 fig.data[0].z, fig.data[0].customdata = trace.z, trace.customdata
                 fig.layout.annotations[0].text = f"tiles {self.tile[0]}×{self.tile[1]} (b={b}, h={h})"
 
-        b_slider.observe(redraw, names="value")
-        h_slider.observe(redraw, names="value")
-        box = widgets.VBox([widgets.HBox([b_slider, h_slider]), fig])
-        box.add_class("flexlab-sparsity-widget")
-        box.figure, box.b_slider, box.h_slider = fig, b_slider, h_slider
-        return box
+        B, H = self.states.shape[:2]
+        return figure_with_bh_sliders(go.FigureWidget(self.figure()), B, H, redraw, "flexlab-sparsity-widget")
 
     def table_rows(self) -> list[tuple[str, str]]:
         st = self.stats()
