@@ -180,12 +180,9 @@ def _mask_reason(block_size, head_dim: int) -> str:
     reason = _MASK_REASON.get(key)
     if reason is None:
         from ..kernels.config import default_config
+        from ..runtime.sparsity import block_size_incompatibility
         cfg = default_config(head_dim, block_sparse=True)
-        q_bs, kv_bs = key[0]
-        reason = ""
-        if q_bs % cfg.tile_m or kv_bs % cfg.tile_n:
-            reason = (f"block_mask BLOCK_SIZE={(q_bs, kv_bs)} is not a multiple of the kernel tile "
-                      f"{(cfg.tile_m, cfg.tile_n)}; build it with BLOCK_SIZE={cfg.tile_m} or a multiple")
+        reason = block_size_incompatibility(key[0], cfg.tile_m, cfg.tile_n) or ""
         _MASK_REASON[key] = reason
     return reason
 

@@ -8,6 +8,11 @@ per head dim (`default_config`) were measured on an H200 (bf16, H=16, dense; TFL
            128x176, 2 stages     B1·S16k 635;  ping-pong off: B4·S4k 597, B1·S16k 645
     D=64   192x128, 3 stages     B4·S4k 463-496   B1·S16k 485-512                      (default, dense)
            192x128, 2 / 4 stg    B4·S4k 465 / 471-496;  128x128: 430;  ping-pong off: 444-449
+
+Candidate options (`FwdConfig` fields, off by default) and selection knobs (module constants, at the measured
+defaults) exist so one H200 run can decide on them: `tests/kernels/fwd_perf_sweep.py` times each against the default
+on the benchmark rows, float64-checked, next to debug builds with one stage removed (`FwdConfig.ablate`). Adopting an
+option means changing `default_config` or a knob here, with the sweep's numbers in this table.
 """
 from __future__ import annotations
 
@@ -16,6 +21,29 @@ from dataclasses import dataclass
 SMEM_BYTES_SM90 = 227 * 1024  # dynamic shared memory one CTA may use on H100/H200
 REGISTERS_PER_SM = 64 * 1024
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
+
+# Debug-only stage removal (`FwdConfig.ablate`): each name compiles a kernel with one stage of the forward taken out,
+# so that timing it against the full kernel says what that stage costs. Outputs of ablated kernels are wrong.
+ABLATIONS = {
+    "softmax": "no online softmax: P = S converted to 16 bit, O never rescaled",
+    "exp2": "softmax without exponentials: P = (S - max) * scale, the FFMA kept, ex2 dropped",
+    "pv": "no P.V GEMM (V is still loaded and waited for)",
+    "overlap": "no intra-warpgroup overlap: QK GEMM, then PV GEMM, each waited for before the softmax",
+    "store": "no O epilogue store (no stmatrix, no TMA store; LSE still written)",
+    "kv_loads": "only the first K and V block of a tile are loaded by TMA; later stages are signalled without a copy",
+    "mask_mod": "mask_mod not evaluated on partial blocks",
+    "score_mod": "score_mod not applied",
+}
+
+# Selection policy knobs, kept at the measured defaults; `default_config` reads them at call time so a benchmark can
+# flip them. D=128: ((min seqlen_k, K/V stages), ...) tried longest first; empty = 2 stages everywhere.
+D128_STAGES_FROM_SEQLEN: tuple[tuple[int, int], ...] = ()
+# D=64 with a block mask (no score_mod): 128-row tiles, or 192 (a BlockMask at 128 is then merged per tile, see
+# `flexlab.runtime.sparsity`).
+D64_SPARSE_TILE_M = 128
+# Persistent kernels (one CTA per SM looping over tiles) for every default configuration; the launcher fills in the
+# device's SM count.
+PERSISTENT = False
 
 
 @dataclass(frozen=True)
@@ -34,6 +62,18 @@ class FwdConfig:
     num_stages: int = 2
     pingpong: bool = True  # consumer warpgroups take turns on the tensor cores
     dtype_bytes: int = 2
+    # Candidate optimizations, all off by default (the measured kernel):
+    persistent_ctas: int = 0  # >0: launch min(tiles, this) CTAs that loop over tiles (set it to the SM count)
+    exp2_poly: int = 0  # of every 8 scores of a row fragment, how many take exp2 as an FMA polynomial, not MUFU
+    rescale_before_pv: bool = False  # rescale O by the previous row scale while QK runs (FA4 does it for D>128)
+    early_block_index: bool = False  # read the next KV block index before waiting on its K (block-sparse)
+    # Debug only, never set by the public API: stages removed for timing (names in ABLATIONS; results are wrong).
+    ablate: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        # One canonical spelling (sorted tuple), so the compile key and its on-disk digest do not depend on how the
+        # caller wrote the set.
+        object.__setattr__(self, "ablate", tuple(sorted(set(self.ablate))))
 
     @property
     def num_consumer_wgs(self) -> int:
@@ -48,15 +88,28 @@ class FwdConfig:
         """(producer, consumer) registers per thread after `setmaxnreg`; must sum to at most 64K per CTA."""
         return {1: (56, 256), 2: (24, 240), 3: (32, 160)}[self.num_consumer_wgs]
 
-    def smem_bytes(self) -> int:
-        """Bytes of the kernel's shared-storage struct: mbarriers first, then Q (reused for O), K and V rings, each
-        buffer aligned to 1 KiB (the 128-byte swizzle repeats every 1 KiB)."""
+    @property
+    def persistent(self) -> bool:
+        return self.persistent_ctas > 0
+
+    @property
+    def separate_o(self) -> bool:
+        """Persistent kernels stage O in its own buffer when it fits, so the next tile's Q can land while this tile's
+        O is stored; otherwise O reuses Q's buffer and the next Q waits for the store."""
+        return self.persistent and self._smem_bytes(True) <= SMEM_BYTES_SM90
+
+    def _smem_bytes(self, separate_o: bool) -> int:
         def up(n):
             return -(-n // 1024) * 1024
         barriers = 8 * (2 + 4 * self.num_stages)
         q = self.tile_m * self.head_dim * self.dtype_bytes
         kv = self.num_stages * self.tile_n * self.head_dim * self.dtype_bytes
-        return up(barriers) + up(q) + 2 * up(kv)
+        return up(barriers) + up(q) * (2 if separate_o else 1) + 2 * up(kv)
+
+    def smem_bytes(self) -> int:
+        """Bytes of the kernel's shared-storage struct: mbarriers first, then Q (reused for O unless `separate_o`),
+        K and V rings, each buffer aligned to 1 KiB (the 128-byte swizzle repeats every 1 KiB)."""
+        return self._smem_bytes(self.separate_o)
 
     def feasibility_error(self) -> str | None:
         """Why this configuration cannot run on sm90, or None when it can."""
@@ -70,6 +123,13 @@ class FwdConfig:
             return f"num_stages={self.num_stages}: K/V need at least 2 stages to overlap loads with math"
         if self.pingpong and self.num_consumer_wgs < 2:
             return "pingpong scheduling needs at least two consumer warpgroups to alternate"
+        unknown = [a for a in self.ablate if a not in ABLATIONS]
+        if unknown:
+            return f"unknown ablation(s) {unknown}; known: {sorted(ABLATIONS)}"
+        if self.persistent_ctas < 0:
+            return f"persistent_ctas={self.persistent_ctas} must be 0 (off) or a CTA count"
+        if not 0 <= self.exp2_poly <= 8:
+            return f"exp2_poly={self.exp2_poly} must be in [0, 8] (scores per 8 computed on the FMA pipe)"
         if self.smem_bytes() > SMEM_BYTES_SM90:
             return f"needs {self.smem_bytes()} bytes of shared memory, sm90 has {SMEM_BYTES_SM90}"
         producer, consumer = self.register_split
@@ -88,16 +148,29 @@ class FwdConfig:
         return self
 
 
-def default_config(head_dim: int, block_sparse: bool = False, has_score_mod: bool = False) -> FwdConfig:
-    """Tile shape per head dim.
+def default_config(head_dim: int, block_sparse: bool = False, has_score_mod: bool = False,
+                   seqlen_k: int | None = None) -> FwdConfig:
+    """Tile shape per head dim (and, through `D128_STAGES_FROM_SEQLEN`, per key length).
 
     D=64 without a block mask or score_mod uses 192-row tiles (three consumer warpgroups); a block mask at torch's
-    default 128 block size needs 128-row tiles, and a score_mod's extra registers spill at 160 per thread.
+    default 128 block size gets 128-row tiles unless `D64_SPARSE_TILE_M` says 192, and a score_mod's extra
+    registers spill at 160 per thread.
     """
     if head_dim <= 64:
         if not block_sparse and not has_score_mod:  # H200, B4 S4k: 496 TFLOP/s vs 465 with 2 stages, 430 at 128 rows
             return FwdConfig(head_dim=64, tile_m=192, tile_n=128, num_stages=3)
+        if block_sparse and not has_score_mod and D64_SPARSE_TILE_M == 192:
+            return FwdConfig(head_dim=64, tile_m=192, tile_n=128, num_stages=3)
         return FwdConfig(head_dim=64, tile_m=128, tile_n=128, num_stages=2)
-    if head_dim <= 128:  # H200, B1 S16k: 633 TFLOP/s; tile_n=176 gave 635 (noise); 3 stages do not fit in smem
-        return FwdConfig(head_dim=128, tile_m=128, tile_n=128, num_stages=2)
+    if head_dim <= 128:  # H200, B1 S16k: 633 TFLOP/s; tile_n=176 gave 635 (noise)
+        return FwdConfig(head_dim=128, tile_m=128, tile_n=128, num_stages=d128_stages(seqlen_k))
     return FwdConfig(head_dim=256, tile_m=128, tile_n=64, num_stages=2)
+
+
+def d128_stages(seqlen_k: int | None) -> int:
+    """K/V stages at D=128 for this key length: the first `D128_STAGES_FROM_SEQLEN` entry it reaches, else 2."""
+    if seqlen_k is not None:
+        for min_len, stages in D128_STAGES_FROM_SEQLEN:
+            if seqlen_k >= min_len:
+                return stages
+    return 2

@@ -10,6 +10,15 @@ Structure (one CTA = one tile of `tile_m` query rows of one head):
     under the other's matmuls;
   * epilogue: O is normalised, converted to 16 bit, written to shared memory (over Q) with stmatrix and stored with
     one TMA bulk copy, which also clips rows past Sq; LSE goes straight from registers.
+
+Options in `FwdConfig` (off by default):
+  * `persistent_ctas`: a grid of at most that many CTAs, each looping over tiles (`tile_scheduler.tile_coords`). The
+    producer issues the next tile's first K before its Q, and when shared memory allows (`separate_o`) O gets its own
+    buffer, so the next Q lands while this tile's last PV GEMM and epilogue run; otherwise O stays over Q and the next
+    Q waits until the TMA store has read it;
+  * `rescale_before_pv`, `exp2_poly`, `early_block_index`: see `FwdConfig`.
+Debug-only stage removal (`FwdConfig.ablate`, names in `config.ABLATIONS`) is confined to `ablated(...)` checks in
+`load_kv`, `overlapped_step`, the first/last block of `consume_tile`, `mod_scores`, `OnlineSoftmax` and `epilogue`.
 """
 from __future__ import annotations
 
@@ -34,7 +43,7 @@ from .mask import apply_mask_mod, mask_kv_tail
 from .named_barrier import FwdBarrier
 from .score_mod import apply_score_mod
 from .softmax import OnlineSoftmax, rescale_rows
-from .tile_scheduler import current_tile
+from .tile_scheduler import current_tile, tile_coords
 
 LOG2_E = math.log2(math.e)
 
@@ -73,6 +82,26 @@ class FlexFwdSm90:
         self.num_consumer_threads = 128 * self.num_wg
         self.producer_regs, self.consumer_regs = cfg.register_split
         self.pingpong = cfg.pingpong and self.num_wg >= 2
+        self.persistent = cfg.persistent
+        self.separate_o = cfg.separate_o
+        self.ablate = frozenset(cfg.ablate)
+
+    def ablated(self, stage: str) -> bool:
+        """Trace-time: whether this (debug) build removes `stage` (see `config.ABLATIONS`)."""
+        return stage in self.ablate
+
+    def storage_class(self, sQ_layout, sKV_layout):
+        """The shared-storage struct: barriers, Q (also O unless `separate_o`), the K and V rings, optionally O.
+        Built from a field dict (this module's annotations are strings, which `cute.struct` does not evaluate)."""
+        def buffer(layout):
+            return cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)], 1024]
+        fields = {"mbar_q": cute.struct.MemRange[Int64, 2],
+                  "mbar_k": cute.struct.MemRange[Int64, 2 * self.num_stages],
+                  "mbar_v": cute.struct.MemRange[Int64, 2 * self.num_stages],
+                  "sQ": buffer(sQ_layout), "sK": buffer(sKV_layout), "sV": buffer(sKV_layout)}
+        if self.separate_o:
+            fields["sO"] = buffer(sQ_layout)
+        return cute.struct(type("Storage", (), {"__annotations__": fields}))
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -100,19 +129,13 @@ class FlexFwdSm90:
         tma_v, mV_t = cpasync.make_tiled_tma_atom(load_op, mV, one_stage, (tile_n, hd))
         tma_o, mO_t = cpasync.make_tiled_tma_atom(store_op, mO, sQ_layout, (tile_m, hd))
 
-        @cute.struct
-        class Storage:
-            mbar_q: cute.struct.MemRange[Int64, 2]
-            mbar_k: cute.struct.MemRange[Int64, 2 * self.num_stages]
-            mbar_v: cute.struct.MemRange[Int64, 2 * self.num_stages]
-            sQ: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(sKV_layout)], 1024]
-
+        Storage = self.storage_class(sQ_layout, sKV_layout)
         log2_scale = Float32(LOG2_E) if cutlass.const_expr(self.score_mod is not None) else softmax_scale * LOG2_E
         num_m_blocks = cute.ceil_div(mQ.shape[0], tile_m)
         num_hb = mQ.shape[2] * mQ.shape[3]
         grid = [num_m_blocks * num_hb, 1, 1]
+        if cutlass.const_expr(self.persistent):
+            grid = [cutlass.min(num_m_blocks * num_hb, self.cfg.persistent_ctas), 1, 1]
         tiles = (num_m_blocks, mQ.shape[2], num_hb, heads_per_group)
         self.kernel(mQ_t, mK_t, mV_t, mO_t, mLSE, tma_q, tma_k, tma_v, tma_o, softmax_scale, log2_scale,
                     qhead_per_kvhead, tiles, sparse, order, aux_tensors, aux_scalars, sQ_layout, sKV_layout,
@@ -133,10 +156,15 @@ class FlexFwdSm90:
         storage = SmemAllocator().allocate(Storage)
         consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_threads // 32)
         tma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        # Q is released by every consumer warp after its last QK GEMM, except in a persistent kernel whose O reuses Q's
+        # buffer: there the storing warp releases it once the TMA store has read O.
+        q_releasers = consumer_warps
+        if cutlass.const_expr(self.persistent and not self.separate_o):
+            q_releasers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         kv_bytes = self.tile_n * self.head_dim * self.dtype.width // 8
         pipe_q = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=tma_thread,
-            consumer_group=consumer_warps, tx_count=self.tile_m * self.head_dim * self.dtype.width // 8,
+            consumer_group=q_releasers, tx_count=self.tile_m * self.head_dim * self.dtype.width // 8,
             defer_sync=True)
         pipe_k = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages, producer_group=tma_thread,
@@ -149,91 +177,162 @@ class FlexFwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        m_block, head, batch = current_tile(order, *tiles)
+        sO = sQ
+        if cutlass.const_expr(self.separate_o):
+            sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         seqlen_k = mK.shape[0]
-        sched = KvSchedule(sparse, batch, head, m_block, cute.ceil_div(seqlen_k, self.tile_n))
+        first = None  # one-tile-per-CTA grid: this CTA's tile, looked up while the barriers initialise
+        if cutlass.const_expr(not self.persistent):
+            m_block, head, batch = current_tile(order, *tiles)
+            sched = KvSchedule(sparse, batch, head, m_block, cute.ceil_div(seqlen_k, self.tile_n))
+            first = (m_block, head, batch, sched)
+        num_kv_blocks = cute.ceil_div(seqlen_k, self.tile_n)
         pipeline.pipeline_init_wait()
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                self.load(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
-                          m_block, head, batch, head // qhead_per_kvhead, sched)
+                self.load(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, qhead_per_kvhead,
+                          tiles, sparse, order, num_kv_blocks, first)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             tidx = cute.arch.thread_idx()[0] - 128
-            self.consume(mQ, mO, mLSE, sQ, sK, transpose_smem(sV), tma_o, tiled_mma_qk, tiled_mma_pv,
-                         pipe_q, pipe_k, pipe_v, tidx, warp_idx, m_block, head, batch, seqlen_k, sched,
-                         softmax_scale, log2_scale, aux_tensors, aux_scalars, sQ_layout, storage)
+            self.consume(mQ, mO, mLSE, sQ, sO, sK, transpose_smem(sV), tma_o, tiled_mma_qk, tiled_mma_pv,
+                         pipe_q, pipe_k, pipe_v, tidx, warp_idx, tiles, sparse, order, num_kv_blocks, first, seqlen_k,
+                         softmax_scale, log2_scale, aux_tensors, aux_scalars)
+
+    # ------------------------------------------------------------------ producer
+    @cute.jit
+    def load(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, qhead_per_kvhead: Int32,
+             tiles, sparse, order, num_kv_blocks: Int32, first):
+        """Producer warp: this CTA's tile, or (persistent) every G-th tile from its block index."""
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        if cutlass.const_expr(self.persistent):
+            tile = Int32(cute.arch.block_idx()[0])
+            num_tiles = tiles[0] * tiles[2]
+            while tile < num_tiles:
+                m_block, head, batch = tile_coords(tile, order, *tiles)
+                sched = KvSchedule(sparse, batch, head, m_block, num_kv_blocks)
+                q_state, state = self.load_tile(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k,
+                                                pipe_v, m_block, head, batch, head // qhead_per_kvhead, sched,
+                                                q_state, state)
+                tile += Int32(cute.arch.grid_dim()[0])
+        else:
+            m_block, head, batch, sched = first
+            self.load_tile(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, m_block, head, batch,
+                           head // qhead_per_kvhead, sched, q_state, state)
 
     @cute.jit
-    def load(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
-             m_block: Int32, head: Int32, batch: Int32, head_kv: Int32, sched: KvSchedule):
-        """Producer warp: Q once, then K one block ahead of V so QK of block j can start before PV of block j-1."""
+    def load_tile(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
+                  m_block: Int32, head: Int32, batch: Int32, head_kv: Int32, sched: KvSchedule, q_state, state):
+        """Q once, then K one block ahead of V so QK of block j can start before PV of block j-1.
+
+        Persistent: the first K goes before Q, so it can land while the previous tile still holds the Q buffer."""
         gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
         tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
         tKsK, tKgK = tma_tiles(tma_k, sK, gK)
         tVsV, tVgV = tma_tiles(tma_v, sV, gV)
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-        pipe_q.producer_acquire(q_state)
-        cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+        if cutlass.const_expr(not self.persistent):
+            pipe_q.producer_acquire(q_state)
+            cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
 
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         total = sched.total
         if total > 0:
-            pipe_k.producer_acquire(state)
-            cute.copy(tma_k, tKgK[None, sched.block(0)], tKsK[None, state.index],
-                      tma_bar_ptr=pipe_k.producer_get_barrier(state))
+            self.load_kv(pipe_k, tma_k, tKgK, tKsK, state, sched, 0)
+        if cutlass.const_expr(self.persistent):
+            pipe_q.producer_acquire(q_state)
+            cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+            q_state.advance()
+        if total > 0:
             for i in cutlass.range(1, total, unroll=1):
                 prev = state.clone()
                 state.advance()
-                pipe_k.producer_acquire(state)
-                cute.copy(tma_k, tKgK[None, sched.block(i)], tKsK[None, state.index],
-                          tma_bar_ptr=pipe_k.producer_get_barrier(state))
-                pipe_v.producer_acquire(prev)
-                cute.copy(tma_v, tVgV[None, sched.block(i - 1)], tVsV[None, prev.index],
-                          tma_bar_ptr=pipe_v.producer_get_barrier(prev))
-            pipe_v.producer_acquire(state)
-            cute.copy(tma_v, tVgV[None, sched.block(total - 1)], tVsV[None, state.index],
-                      tma_bar_ptr=pipe_v.producer_get_barrier(state))
+                self.load_kv(pipe_k, tma_k, tKgK, tKsK, state, sched, i)
+                self.load_kv(pipe_v, tma_v, tVgV, tVsV, prev, sched, i - 1)
+            self.load_kv(pipe_v, tma_v, tVgV, tVsV, state, sched, total - 1)
+            state.advance()
+        return q_state, state
 
     @cute.jit
-    def consume(self, mQ, mO, mLSE, sQ, sK, sVt, tma_o, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
-                pipe_q, pipe_k, pipe_v, tidx: Int32, warp_idx: Int32, m_block: Int32, head: Int32, batch: Int32,
-                seqlen_k: Int32, sched: KvSchedule, softmax_scale: Float32, log2_scale: Float32,
-                aux_tensors, aux_scalars, sQ_layout, storage):
+    def load_kv(self, pipe, tma, tXgX, tXsX, state, sched: KvSchedule, step: Int32):
+        """The K or V block of schedule step `step` into the stage `state` points at."""
+        if cutlass.const_expr(self.ablated("kv_loads")):
+            if step == 0:
+                pipe.producer_acquire(state)
+                cute.copy(tma, tXgX[None, sched.block(step)], tXsX[None, state.index],
+                          tma_bar_ptr=pipe.producer_get_barrier(state))
+            else:  # mark the stage full without a copy: consumers reuse whatever it holds
+                pipe.sync_object_empty.wait(state.index, state.phase)
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive(pipe.producer_get_barrier(state))
+        else:
+            pipe.producer_acquire(state)
+            cute.copy(tma, tXgX[None, sched.block(step)], tXsX[None, state.index],
+                      tma_bar_ptr=pipe.producer_get_barrier(state))
+
+    # ------------------------------------------------------------------ consumers
+    @cute.jit
+    def consume(self, mQ, mO, mLSE, sQ, sO, sK, sVt, tma_o, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
+                pipe_q, pipe_k, pipe_v, tidx: Int32, warp_idx: Int32, tiles, sparse, order, num_kv_blocks: Int32,
+                first, seqlen_k: Int32, softmax_scale: Float32, log2_scale: Float32, aux_tensors, aux_scalars):
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         wg_mma_qk = tiled_mma_qk.get_slice(wg * 128)
         wg_mma_pv = tiled_mma_pv.get_slice(wg * 128)
-        tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
-        tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
-        tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
-        tOrP = wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n)))
+        frags = (wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ)),  # tSrQ
+                 wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK)),  # tSrK
+                 wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt)),  # tOrVt
+                 wg_mma_pv.make_fragment_A(wg_mma_pv.partition_shape_A((self.tile_m, self.tile_n))))  # tOrP
         acc_O = cute.make_rmem_tensor(wg_mma_pv.partition_shape_C((self.tile_m, self.head_dim)), Float32)
         s_shape = wg_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
         coords = thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
         num_rows = cute.size(rows_view(acc_O), mode=[0])
-        softmax = OnlineSoftmax(log2_scale, num_rows)
-        softmax.reset()
+        softmax = OnlineSoftmax(log2_scale, num_rows, self.cfg.exp2_poly, not self.ablated("exp2"))
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
-        acc_O.fill(0.0)
 
+        if cutlass.const_expr(self.pingpong):
+            if wg == 0:  # the first consumer warpgroup goes first (the token carries over from tile to tile)
+                cute.arch.barrier_arrive(barrier_id=int(FwdBarrier.TURN_WG1), number_of_threads=256)
+
+        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+        args = (mQ, mO, mLSE, sO, tma_o, tiled_mma_qk, tiled_mma_pv, frags, acc_O, s_shape, coords, softmax,
+                row_scale, pipe_q, pipe_k, pipe_v, tidx, warp_idx, wg, seqlen_k, softmax_scale, aux_tensors,
+                aux_scalars)
+        if cutlass.const_expr(self.persistent):
+            tile = Int32(cute.arch.block_idx()[0])
+            num_tiles = tiles[0] * tiles[2]
+            while tile < num_tiles:
+                m_block, head, batch = tile_coords(tile, order, *tiles)
+                sched = KvSchedule(sparse, batch, head, m_block, num_kv_blocks)
+                q_state, state = self.consume_tile(*args, m_block, head, batch, sched, q_state, state)
+                tile += Int32(cute.arch.grid_dim()[0])
+            if cutlass.const_expr(self.separate_o):
+                if warp_idx == 4:  # the last O store must have read shared memory before the CTA exits
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+        else:
+            m_block, head, batch, sched = first
+            self.consume_tile(*args, m_block, head, batch, sched, q_state, state)
+
+    @cute.jit
+    def consume_tile(self, mQ, mO, mLSE, sO, tma_o, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, frags,
+                     acc_O, s_shape, coords, softmax: OnlineSoftmax, row_scale, pipe_q, pipe_k, pipe_v, tidx: Int32,
+                     warp_idx: Int32, wg: Int32, seqlen_k: Int32, softmax_scale: Float32, aux_tensors, aux_scalars,
+                     m_block: Int32, head: Int32, batch: Int32, sched: KvSchedule, q_state, state):
+        """One Q tile: the KV mainloop, then normalisation and the epilogue. Returns the advanced pipeline states."""
+        tSrQ, tSrK, tOrVt, tOrP = frags
+        softmax.reset()
+        acc_O.fill(0.0)
         seqlen_q = mQ.shape[0]
         q_start = m_block * self.tile_m
         q_last, kv_last = seqlen_q - 1, seqlen_k - 1
         mods = (batch, head, q_start, q_last, kv_last, softmax_scale, aux_tensors, aux_scalars)
         dense = cutlass.const_expr(sched.sparse is None)
 
-        if cutlass.const_expr(self.pingpong):
-            if wg == 0:  # the first consumer warpgroup goes first
-                cute.arch.barrier_arrive(barrier_id=int(FwdBarrier.TURN_WG1), number_of_threads=256)
-
-        q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_q.consumer_wait(q_state)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         total = sched.total
         num_partial = sched.num_partial
         if total > 0:
@@ -247,7 +346,8 @@ class FlexFwdSm90:
                 self.mod_scores(acc_S, coords, n_block, seqlen_k, mods, True, TAIL_ALWAYS)
             else:
                 self.mod_scores(acc_S, coords, n_block, seqlen_k, mods, False, TAIL_ALWAYS)
-            softmax.step(acc_S, row_scale)
+            if cutlass.const_expr(not self.ablated("softmax")):
+                softmax.step(acc_S, row_scale)
             convert_to_16bit(as_operand_a(acc_S), tOrP)
             # Partial blocks (mask_mod), then full blocks (no mask_mod); dense: no mask_mod, tail only at step 0.
             tail = TAIL_NEVER if dense else TAIL_IF_LAST
@@ -259,40 +359,66 @@ class FlexFwdSm90:
                 state = self.overlapped_step(i, state, sched, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt,
                                              tOrP, acc_O, s_shape, coords, softmax, row_scale, pipe_k, pipe_v,
                                              wg, seqlen_k, mods, False, tail)
+            self.release_q_after_mainloop(pipe_q, q_state)
             # Last block: PV only.
             pipe_v.consumer_wait(state)
-            wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], False, 0)
+            if cutlass.const_expr(self.cfg.rescale_before_pv and not self.ablated("softmax")):
+                rescale_rows(acc_O, row_scale)
+            if cutlass.const_expr(not self.ablated("pv")):
+                wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, state.index], False, 0)
             pipe_v.consumer_release(state)
             state.advance()
+        else:
+            self.release_q_after_mainloop(pipe_q, q_state)
 
-        lse = cute.make_rmem_tensor(num_rows, Float32)
+        lse = cute.make_rmem_tensor(cute.size(row_scale), Float32)
         softmax.finalize(lse, row_scale)
         rescale_rows(acc_O, row_scale)
-        self.epilogue(acc_O, lse, coords, mO, mLSE, sQ_layout, storage, tma_o, tiled_mma_pv, tidx, warp_idx,
+        self.epilogue(acc_O, lse, coords, mO, mLSE, sO, tma_o, tiled_mma_pv, pipe_q, q_state, tidx, warp_idx,
                       m_block, head, batch, seqlen_q)
+        q_state.advance()
+        return q_state, state
+
+    def release_q_after_mainloop(self, pipe_q, q_state):
+        """Persistent kernel with its own O buffer: Q is free once this warpgroup's last QK GEMM has completed."""
+        if cutlass.const_expr(self.persistent and self.separate_o):
+            pipe_q.consumer_release(q_state)
 
     @cute.jit
     def overlapped_step(self, i: Int32, state, sched: KvSchedule, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt,
                         tOrP, acc_O, s_shape, coords, softmax: OnlineSoftmax, row_scale, pipe_k, pipe_v, wg: Int32,
                         seqlen_k: Int32, mods, use_mask_mod: cutlass.Constexpr[bool], tail: cutlass.Constexpr[int]):
         """S_i = Q K_i^T and O += P_{i-1} V_{i-1} issued back to back; softmax(S_i) overlaps the PV GEMM."""
+        no_pv = self.ablated("pv")
+        serial = self.ablated("overlap")  # each GEMM waited for at once: nothing overlaps the softmax
+        with_softmax = not self.ablated("softmax")
         prev = state.clone()
         state.advance()
+        n_block = Int32(0)
+        if cutlass.const_expr(self.cfg.early_block_index):
+            n_block = sched.block(i)  # an index load issued before the waits, so its latency hides behind them
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
         pipe_k.consumer_wait(state)
         self.wait_turn(wg)
-        wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], True, -1)
+        wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], True, 0 if serial else -1)
+        if cutlass.const_expr(self.cfg.rescale_before_pv and with_softmax):
+            rescale_rows(acc_O, row_scale)  # by the previous block's row scale, while the QK GEMM runs
         pipe_v.consumer_wait(prev)
-        wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, prev.index], False, -1)
+        if cutlass.const_expr(not no_pv):
+            wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, prev.index], False, 0 if serial else -1)
         self.pass_turn(wg)
-        warpgroup.wait_group(1)  # S_i ready; PV still on the tensor cores
+        warpgroup.wait_group(0 if no_pv else 1)  # S_i ready; PV still on the tensor cores
         pipe_k.consumer_release(state)
-        self.mod_scores(acc_S, coords, sched.block(i), seqlen_k, mods, use_mask_mod, tail)
-        softmax.step(acc_S, row_scale)
+        if cutlass.const_expr(not self.cfg.early_block_index):
+            n_block = sched.block(i)
+        self.mod_scores(acc_S, coords, n_block, seqlen_k, mods, use_mask_mod, tail)
+        if cutlass.const_expr(with_softmax):
+            softmax.step(acc_S, row_scale)
         warpgroup.wait_group(0)
         pipe_v.consumer_release(prev)
         convert_to_16bit(as_operand_a(acc_S), tOrP)
-        rescale_rows(acc_O, row_scale)
+        if cutlass.const_expr(with_softmax and not self.cfg.rescale_before_pv):
+            rescale_rows(acc_O, row_scale)
         return state
 
     @cute.jit
@@ -301,10 +427,10 @@ class FlexFwdSm90:
         """score_mod, then mask_mod (partial blocks only), then the key-tail mask."""
         batch, head, q_start, q_last, kv_last, softmax_scale, aux_tensors, aux_scalars = mods
         kv_start = n_block * self.tile_n
-        if cutlass.const_expr(self.score_mod is not None):
+        if cutlass.const_expr(self.score_mod is not None and not self.ablated("score_mod")):
             apply_score_mod(acc_S, coords, self.score_mod, softmax_scale, batch, head, q_start, kv_start, q_last,
                             kv_last, self.clamp_indices, aux_tensors, aux_scalars)
-        if cutlass.const_expr(use_mask_mod and self.mask_mod is not None):
+        if cutlass.const_expr(use_mask_mod and self.mask_mod is not None and not self.ablated("mask_mod")):
             apply_mask_mod(acc_S, coords, self.mask_mod, batch, head, q_start, kv_start, q_last, kv_last,
                            self.clamp_indices, aux_tensors, aux_scalars)
         if cutlass.const_expr(tail == TAIL_ALWAYS):
@@ -326,17 +452,22 @@ class FlexFwdSm90:
             cute.arch.barrier_arrive(barrier_id=int(FwdBarrier.TURN_WG1) + nxt, number_of_threads=256)
 
     @cute.jit
-    def epilogue(self, acc_O, lse, coords, mO, mLSE, sQ_layout, storage, tma_o, tiled_mma_pv, tidx: Int32,
+    def epilogue(self, acc_O, lse, coords, mO, mLSE, sO, tma_o, tiled_mma_pv, pipe_q, q_state, tidx: Int32,
                  warp_idx: Int32, m_block: Int32, head: Int32, batch: Int32, seqlen_q: Int32):
-        """O -> 16 bit -> shared memory (over Q) -> one TMA store; LSE from the lanes that own column 0."""
+        """O -> 16 bit -> shared memory (over Q, or its own buffer) -> one TMA store; LSE from the lanes that own
+        column 0."""
+        store = not self.ablated("store")
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         convert_to_16bit(acc_O, rO)
-        sO = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        # Both warpgroups must be done reading Q before O overwrites it.
+        if cutlass.const_expr(self.separate_o):
+            if warp_idx == 4:  # the previous tile's O store has finished reading sO (its lane waits, others pass)
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        # All warpgroups must be done reading Q (or the last O store done reading sO) before O overwrites it.
         cute.arch.barrier(barrier_id=int(FwdBarrier.EPILOGUE), number_of_threads=self.num_consumer_threads)
-        st_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
-        thr_st = cute.make_tiled_copy_C(st_atom, tiled_mma_pv).get_slice(tidx)
-        cute.copy(st_atom, thr_st.retile(rO), thr_st.partition_D(sO))
+        if cutlass.const_expr(store):
+            st_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+            thr_st = cute.make_tiled_copy_C(st_atom, tiled_mma_pv).get_slice(tidx)
+            cute.copy(st_atom, thr_st.retile(rO), thr_st.partition_D(sO))
 
         c_rows = rows_view(coords)
         if c_rows[0, 0][1] == 0:
@@ -346,13 +477,20 @@ class FlexFwdSm90:
                 if q_idx < seqlen_q:
                     mLSE[q_idx, head, batch] = lse[r]
 
-        cute.arch.fence_view_async_shared()
-        cute.arch.barrier_arrive(barrier_id=int(FwdBarrier.EPILOGUE), number_of_threads=self.num_consumer_threads + 32)
-        if warp_idx == 4:
-            cute.arch.barrier(barrier_id=int(FwdBarrier.EPILOGUE), number_of_threads=self.num_consumer_threads + 32)
-            gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
-            tOsO, tOgO = tma_tiles(tma_o, sO, gO)
-            with cute.arch.elect_one():
-                cute.copy(tma_o, tOsO, tOgO)
-                cute.arch.cp_async_bulk_commit_group()
-                cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if cutlass.const_expr(store):
+            stored = int(FwdBarrier.O_STORED if self.persistent else FwdBarrier.EPILOGUE)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier_arrive(barrier_id=stored, number_of_threads=self.num_consumer_threads + 32)
+            if warp_idx == 4:
+                cute.arch.barrier(barrier_id=stored, number_of_threads=self.num_consumer_threads + 32)
+                gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
+                tOsO, tOgO = tma_tiles(tma_o, sO, gO)
+                with cute.arch.elect_one():
+                    cute.copy(tma_o, tOsO, tOgO)
+                    cute.arch.cp_async_bulk_commit_group()
+                    if cutlass.const_expr(not self.separate_o):
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+        if cutlass.const_expr(self.persistent and not self.separate_o):
+            if warp_idx == 4:  # O (over Q) has been read by the store: the next tile's Q may land
+                cute.arch.sync_warp()
+                pipe_q.consumer_release(q_state)

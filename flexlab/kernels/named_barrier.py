@@ -9,6 +9,10 @@ class FwdBarrier(enum.IntEnum):
     TURN_WG1 = 2  # ping-pong: consumer warpgroup 1 may issue its GEMMs
     TURN_WG2 = 3  # ping-pong: consumer warpgroup 2 may issue its GEMMs
     TURN_WG3 = 4  # (three consumer warpgroups: the turn passes round-robin)
+    # Persistent kernels: "O is in shared memory" gets its own id. With one epilogue per CTA, EPILOGUE serves both
+    # syncs; with one per tile, a warp racing into the next tile's first sync must not meet the storing warp's
+    # still-open sync of this tile on the same barrier with a different thread count.
+    O_STORED = 5
 
 
 class BwdBarrier(enum.IntEnum):

@@ -6,6 +6,10 @@ So while a group runs, every K/V block is fetched from HBM once and then re-read
 every head's rank-0 tile starts before any rank-1 tile. With a block mask the host ranks Q tiles longest-work-first
 (`order`: KV blocks visited, summed over batch and heads, descending), so heavy tiles start early and light ones fill
 the tail of the last wave instead of leaving SMs idle.
+
+A persistent kernel (`FwdConfig.persistent_ctas`) launches fewer CTAs than tiles; CTA c then computes tiles c, c + G,
+c + 2G, ... (G = grid size) in the same rank order, so each "wave" of G tiles is exactly the wave the one-tile-per-CTA
+grid would start, and heavy tiles still come first.
 """
 from __future__ import annotations
 
@@ -17,10 +21,16 @@ from cutlass import Int32
 @cute.jit
 def current_tile(order, num_m_blocks: Int32, num_heads: Int32, num_hb: Int32, heads_per_group: Int32) -> tuple:
     """(m_block, head, batch) of this CTA; `order` is None (identity) or an int32 tensor rank -> Q tile index."""
-    bid = Int32(cute.arch.block_idx()[0])
+    return tile_coords(Int32(cute.arch.block_idx()[0]), order, num_m_blocks, num_heads, num_hb, heads_per_group)
+
+
+@cute.jit
+def tile_coords(tile: Int32, order, num_m_blocks: Int32, num_heads: Int32, num_hb: Int32,
+                heads_per_group: Int32) -> tuple:
+    """(m_block, head, batch) of tile number `tile` in launch order."""
     tiles_per_group = heads_per_group * num_m_blocks
-    group = bid // tiles_per_group
-    r = bid - group * tiles_per_group
+    group = tile // tiles_per_group
+    r = tile - group * tiles_per_group
     first_hb = group * heads_per_group
     group_size = cutlass.min(heads_per_group, num_hb - first_hb)
     rank = r // group_size

@@ -6,11 +6,13 @@ BlockMask) is cached.
 """
 from __future__ import annotations
 
+import dataclasses
 from functools import lru_cache
 
 import torch
 
-from ..kernels.config import FwdConfig, default_config
+from ..kernels import config as _policy
+from ..kernels.config import FwdConfig, d128_stages, default_config
 from .compile import CompileKey, KernelMods, cutlass_version, forward_kernel, tvm_ffi_available
 from .schedule import heads_per_group
 from .sparsity import kernel_block_mask
@@ -40,8 +42,28 @@ def compile_key(mods: KernelMods, dtype: torch.dtype, cfg: FwdConfig, arch: str,
                       cutlass_version=version, tvm_ffi=ffi)
 
 
-def config_for(head_dim: int, sparse: bool, mods: KernelMods) -> FwdConfig:
-    return _CONFIGS[head_dim, sparse, mods.score_mod is not None]
+def config_for(head_dim: int, sparse: bool, mods: KernelMods, seqlen_k: int | None = None,
+               num_sms: int = 0) -> FwdConfig:
+    """The kernel configuration flexlab runs for these inputs (`kernels.config.default_config` and its policy knobs,
+    which are read when a configuration is first chosen: set them before the first call); `num_sms` > 0 makes it
+    persistent when `kernels.config.PERSISTENT` is on."""
+    return _config(head_dim, sparse, mods.score_mod is not None, d128_stages(seqlen_k) if head_dim == 128 else 0,
+                   num_sms if _policy.PERSISTENT else 0)
+
+
+@lru_cache(maxsize=None)
+def _config(head_dim: int, sparse: bool, has_score_mod: bool, d128_stage_count: int, persistent_ctas: int):
+    cfg = default_config(head_dim, sparse, has_score_mod)
+    if head_dim == 128 and d128_stage_count != cfg.num_stages:
+        cfg = dataclasses.replace(cfg, num_stages=d128_stage_count)
+    if persistent_ctas:
+        cfg = dataclasses.replace(cfg, persistent_ctas=persistent_ctas)
+    return cfg
+
+
+@lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _compiled(mods: KernelMods, dtype: torch.dtype, cfg: FwdConfig, arch: str, sparse: bool):
@@ -61,8 +83,6 @@ def _to_cute(t):
 
 
 _NO_MODS = KernelMods()
-_CONFIGS = {(d, sparse, mod): default_config(d, sparse, mod) for d in (64, 128, 256) for sparse in (False, True)
-            for mod in (False, True)}
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: KernelMods = _NO_MODS,
@@ -72,10 +92,15 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: KernelMods 
     B, Hq, Sq, D = q.shape
     _, Hkv, Skv, _ = k.shape
     sparse = order = None
-    fast = (mods, q.dtype, D, block_mask is not None, arch) if config is None else None
+    fast = None
+    if config is None:
+        # Everything the default configuration depends on; the policy terms are constants unless a knob is set.
+        stages = d128_stages(Skv) if D == 128 else 0
+        num_sms = _sm_count(q.device) if _policy.PERSISTENT else 0
+        fast = (mods, q.dtype, D, block_mask is not None, arch, stages, num_sms)
     hit = _FAST.get(fast) if fast is not None else None
     if hit is None:
-        cfg = config or config_for(D, block_mask is not None, mods)
+        cfg = config or config_for(D, block_mask is not None, mods, Skv, num_sms)
         hit = _compiled(mods, q.dtype, cfg, arch, block_mask is not None)
         if fast is not None:
             _FAST[fast] = hit

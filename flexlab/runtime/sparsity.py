@@ -1,8 +1,13 @@
 """Turn a torch BlockMask into the int32 tensors the kernel walks, at the kernel's tile size, plus a tile order.
 
 A mask built at a block size that is a multiple of the kernel tile is split: a (q_bs, kv_bs) block becomes
-(q_bs/tile_m) x (kv_bs/tile_n) kernel blocks of the same state. The result is cached per BlockMask object, so a
-training loop that reuses its mask pays this once.
+(q_bs/tile_m) x (kv_bs/tile_n) kernel blocks of the same state. A Q tile that no mask block size divides (192 rows, for
+a mask at torch's 128) is merged instead: it covers parts of two or more mask rows, so a KV block is full for the tile
+only where it is full in every covered row, skipped only where it is empty in every covered row, and partial (mask_mod
+evaluated element by element) otherwise. That is exact whenever the mask's block states agree with its mask_mod (as
+`create_block_mask` builds them); a hand-made mask whose "full" blocks would be masked by mask_mod is not merged the
+way torch would run it, which is why merging is limited to `MERGED_TILE_M`. The result is cached per BlockMask
+object, so a training loop that reuses its mask pays this once.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import torch
 
 _CACHE: "OrderedDict[tuple, KernelBlockMask]" = OrderedDict()
 _CACHE_SIZE = 64
+MERGED_TILE_M = (192,)  # Q tiles that accept a mask at any block size by merging the mask rows they cover
 
 
 @dataclass(frozen=True)
@@ -29,8 +35,12 @@ class KernelBlockMask:
 
 def incompatibility(block_mask, tile_m: int, tile_n: int) -> str | None:
     """Why this mask cannot drive a kernel with these tiles, or None."""
-    q_bs, kv_bs = (int(x) for x in block_mask.BLOCK_SIZE)
-    if q_bs % tile_m or kv_bs % tile_n:
+    return block_size_incompatibility(tuple(int(x) for x in block_mask.BLOCK_SIZE), tile_m, tile_n)
+
+
+def block_size_incompatibility(block_size: tuple[int, int], tile_m: int, tile_n: int) -> str | None:
+    q_bs, kv_bs = block_size
+    if kv_bs % tile_n or (q_bs % tile_m and tile_m not in MERGED_TILE_M):
         return (f"block_mask BLOCK_SIZE={(q_bs, kv_bs)} is not a multiple of the kernel tile {(tile_m, tile_n)}; "
                 f"build it with BLOCK_SIZE={tile_m} or a multiple")
     return None
@@ -46,6 +56,32 @@ def _split(num: torch.Tensor, idx: torch.Tensor, rq: int, rk: int, n_q: int) -> 
     return num[:, :, :n_q].to(torch.int32).contiguous(), idx[:, :, :n_q].to(torch.int32).contiguous()
 
 
+def _merged(block_mask, seqlen_q: int, tile_m: int, rk: int, n_q: int) -> tuple:
+    """Lists for Q tiles that straddle mask rows (see the module docstring); KV blocks in ascending order."""
+    from ..mask.block_mask import BLOCK_EMPTY, BLOCK_FULL, block_states
+    q_bs = int(block_mask.BLOCK_SIZE[0])
+    states = block_states(block_mask)  # (B, H, mask rows, mask cols)
+    if rk > 1:
+        states = states.repeat_interleave(rk, dim=-1)
+    t = torch.arange(n_q, device=states.device)
+    first = t * tile_m // q_bs
+    last = (torch.clamp((t + 1) * tile_m, max=seqlen_q) - 1) // q_bs
+    nonempty = torch.zeros(*states.shape[:2], n_q, states.shape[-1], dtype=torch.bool, device=states.device)
+    full = torch.ones_like(nonempty)
+    for k in range(-(-tile_m // q_bs) + 1):  # a tile covers at most ceil(tile_m / q_bs) + 1 mask rows
+        rows = torch.minimum(first + k, last)
+        s = states[:, :, rows]
+        nonempty |= s != BLOCK_EMPTY
+        full &= s == BLOCK_FULL
+    partial = nonempty & ~full
+
+    def lists(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.sort(sel.to(torch.int8), dim=-1, descending=True, stable=True).indices
+        return sel.sum(-1).to(torch.int32).contiguous(), idx.to(torch.int32).contiguous()
+
+    return (*lists(partial), *lists(full))
+
+
 def kernel_block_mask(block_mask, seqlen_q: int, tile_m: int, tile_n: int) -> KernelBlockMask:
     key = (id(block_mask), id(block_mask.kv_indices), tile_m, tile_n, seqlen_q)
     hit = _CACHE.get(key)
@@ -55,12 +91,15 @@ def kernel_block_mask(block_mask, seqlen_q: int, tile_m: int, tile_n: int) -> Ke
     q_bs, kv_bs = (int(x) for x in block_mask.BLOCK_SIZE)
     rq, rk = q_bs // tile_m, kv_bs // tile_n
     n_q = -(-seqlen_q // tile_m)
-    kv_num, kv_idx = _split(block_mask.kv_num_blocks, block_mask.kv_indices, rq, rk, n_q)
-    if block_mask.full_kv_num_blocks is not None:
-        full_num, full_idx = _split(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, rq, rk, n_q)
-    else:  # no full blocks recorded: everything listed is partial
-        full_num = torch.zeros_like(kv_num)
-        full_idx = torch.zeros_like(kv_idx[..., :1])
+    if q_bs % tile_m:
+        kv_num, kv_idx, full_num, full_idx = _merged(block_mask, seqlen_q, tile_m, rk, n_q)
+    else:
+        kv_num, kv_idx = _split(block_mask.kv_num_blocks, block_mask.kv_indices, rq, rk, n_q)
+        if block_mask.full_kv_num_blocks is not None:
+            full_num, full_idx = _split(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, rq, rk, n_q)
+        else:  # no full blocks recorded: everything listed is partial
+            full_num = torch.zeros_like(kv_num)
+            full_idx = torch.zeros_like(kv_idx[..., :1])
     work = (kv_num + full_num).sum(dim=(0, 1))
     order = torch.argsort(work, descending=True, stable=True).to(torch.int32).contiguous()
     result = KernelBlockMask(kv_num, kv_idx, full_num, full_idx, order)

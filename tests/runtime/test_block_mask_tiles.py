@@ -45,3 +45,66 @@ def test_incompatible_block_size_is_explained():
     bm = create_block_mask(_causal, 1, 1, 256, 256, BLOCK_SIZE=64)
     assert "multiple of the kernel tile" in incompatibility(bm, 128, 128)
     assert incompatibility(create_block_mask(_causal, 1, 1, 512, 512, BLOCK_SIZE=256), 128, 128) is None
+
+
+# ------------------------------------------------------------------ 192-row tiles over a mask built at 128
+def _doc_mask(S, n_docs=3):
+    doc = torch.arange(S) * n_docs // S
+
+    def mod(b, h, q, kv):
+        return (doc[q] == doc[kv]) & (q >= kv)
+    return mod
+
+
+def _walk(q, k, v, mask_mod, kbm, tile_m, tile_n):
+    """float64 attention computed the way the kernel walks the lists: per Q tile, the listed partial blocks with
+    mask_mod applied and the full blocks without it; unlisted blocks contribute nothing."""
+    S, Skv = q.shape[0], k.shape[0]
+    out = torch.zeros_like(q)
+    for t in range(kbm.kv_num.shape[-1]):
+        rows = torch.arange(t * tile_m, min((t + 1) * tile_m, S))
+        s = torch.full((len(rows), Skv), float("-inf"), dtype=torch.float64)
+        lists = ((kbm.kv_num, kbm.kv_idx, True), (kbm.full_num, kbm.full_idx, False))
+        for num, idx, apply_mod in lists:
+            for j in idx[0, 0, t, :int(num[0, 0, t])].tolist():
+                cols = torch.arange(j * tile_n, min((j + 1) * tile_n, Skv))
+                block = q[rows] @ k[cols].T
+                if apply_mod:
+                    keep = mask_mod(0, 0, rows[:, None], cols[None, :])
+                    block = block.masked_fill(~keep, float("-inf"))
+                s[:, cols] = block
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+        out[rows] = p @ v
+    return out
+
+
+def test_merged_192_row_tiles_compute_the_same_attention():
+    S, tile_m, tile_n = 1000, 192, 128
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(S, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    for mod in (_causal, _window, _doc_mask(S)):
+        bm = create_block_mask(mod, 1, 1, S, S, BLOCK_SIZE=128)
+        assert incompatibility(bm, tile_m, tile_n) is None  # 192 merges the 128-row mask blocks it straddles
+        kbm = kernel_block_mask(bm, S, tile_m, tile_n)
+        assert kbm.kv_num.shape[-1] == -(-S // tile_m) and kbm.kv_idx.dtype == torch.int32
+        keep = mod(0, 0, torch.arange(S)[:, None], torch.arange(S)[None, :])
+        ref = torch.softmax((q @ k.T).masked_fill(~keep, float("-inf")), dim=-1) @ v
+        assert (_walk(q, k, v, mod, kbm, tile_m, tile_n) - ref).abs().max() < 1e-12
+
+
+def test_merged_tiles_skip_and_trust_only_what_every_covered_row_says():
+    S = 1024
+    bm = create_block_mask(_causal, 1, 1, S, S, BLOCK_SIZE=128)
+    kbm = kernel_block_mask(bm, S, 192, 128)
+    n_kv = S // 128
+    states = _states(kbm.kv_num, kbm.kv_idx, kbm.full_num, kbm.full_idx, n_kv + 2)[0, 0, :, :n_kv]
+    # Tile 1 covers rows 192..383: mask rows 1 and 2. Block 0 is full in both, block 1 full in row 2 but partial in
+    # row 1 (so partial), block 2 partial in row 2 and empty in row 1 (so partial), block 3 empty in both.
+    assert states[1, :4].tolist() == [2, 1, 1, 0]
+    assert kbm.order.tolist()[0] == int(torch.argmax((states > 0).sum(-1)))
+
+
+def test_merging_stays_opt_in_for_power_of_two_tiles():
+    bm = create_block_mask(_causal, 1, 1, 256, 256, BLOCK_SIZE=(64, 128))
+    assert "multiple of the kernel tile" in incompatibility(bm, 128, 128)
+    assert incompatibility(bm, 192, 128) is None

@@ -1,0 +1,93 @@
+"""Compile-only checks (CPU, no GPU) of the forward kernel's candidate options and debug ablations: each builds for
+sm_90a without spills, and the PTX shows the change it promises. The options are combined so a few compiles cover
+them all; `fwd_perf_sweep.py` compiles (and times) every one on its own on the H200."""
+from __future__ import annotations
+
+import dataclasses
+import re
+import shutil
+import subprocess
+import tempfile
+import warnings
+
+import pytest
+
+pytest.importorskip("cutlass")
+if shutil.which("ptxas") is None:
+    pytest.skip("ptxas not on PATH", allow_module_level=True)
+
+from flexlab.kernels.config import ABLATIONS, FwdConfig, default_config  # noqa: E402
+from flexlab.runtime.compile import CompileKey, KernelMods, _build  # noqa: E402
+
+ALL_OPTIONS = dict(persistent_ctas=132, exp2_poly=2, rescale_before_pv=True, early_block_index=True)
+
+
+def _mods(kind: str):
+    from handwritten_mods import causal_mask, document_mask, softcap_score
+    if kind == "dense":
+        return KernelMods(), False
+    if kind == "causal":
+        return KernelMods(None, causal_mask, "causal"), True
+    # the heaviest flex case: a score_mod with a captured scalar, a mask_mod reading a captured tensor
+    return KernelMods(softcap_score, document_mask, "softcap+doc", (("int32", 1),), ("float",)), True
+
+
+def _compile(cfg: FwdConfig, kind: str) -> tuple[str, dict]:
+    mods, sparse = _mods(kind)
+    key = CompileKey(mods.source_hash, mods.score_mod is not None, mods.mask_mod is not None, mods.aux_tensor_specs,
+                     mods.aux_scalar_kinds, "bfloat16", cfg, "sm_90a", sparse, sparse, tvm_ffi=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ptx = _build(key, mods, " --keep-ptx").__ptx__
+    with tempfile.TemporaryDirectory() as tmp:
+        with open(f"{tmp}/k.ptx", "w") as f:
+            f.write(ptx)
+        res = subprocess.run(["ptxas", "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
+                             capture_output=True, text=True, check=True)
+    info = res.stdout + res.stderr
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+    report = {"registers": int(re.search(r"Used (\d+) registers", info).group(1)),
+              "spill_stores": int(spills.group(1)), "spill_loads": int(spills.group(2)),
+              "serialized": "serialized" in info}
+    return ptx, report
+
+
+def _sound(ptx: str, report: dict):
+    assert report["spill_stores"] == 0 and report["spill_loads"] == 0, report
+    assert not report["serialized"], "ptxas serialized the wgmma pipeline"
+    assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+@pytest.mark.parametrize("D,kind", [(128, "flex"), (64, "flex"), (128, "dense")])
+def test_all_options_together(D, kind):
+    cfg = dataclasses.replace(default_config(D, kind != "dense", kind == "flex"), **ALL_OPTIONS)
+    assert cfg.separate_o  # 2 stages (D=128) / 128-row tiles (D=64, score_mod): O gets its own buffer
+    ptx, report = _compile(cfg, kind)
+    _sound(ptx, report)
+    assert "%nctaid.x" in ptx  # the persistent loop strides by the grid size
+    assert "add.rm.ftz.f32" in ptx  # exp2 on the FMA pipe for 2 of every 8 scores
+    assert ptx.count("ex2.approx") > ptx.count("add.rm.ftz.f32")
+
+
+def test_three_stages_persistent_reuses_q_for_o():
+    cfg = dataclasses.replace(default_config(128, True, True), num_stages=3, persistent_ctas=132)
+    assert not cfg.separate_o
+    ptx, report = _compile(cfg, "flex")
+    _sound(ptx, report)
+    assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+0", ptx)  # the store has read O before Q reloads
+
+
+def test_d64_block_sparse_192_row_tiles():
+    ptx, report = _compile(FwdConfig(head_dim=64, tile_m=192, tile_n=128, num_stages=3), "causal")
+    _sound(ptx, report)
+    assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+160", ptx)  # three consumer warpgroups
+
+
+def test_every_ablation_at_once():
+    baseline, _ = _compile(default_config(128, True, True), "flex")
+    ptx, report = _compile(dataclasses.replace(default_config(128, True, True), ablate=tuple(ABLATIONS)), "flex")
+    _sound(ptx, report)
+    assert ptx.count("wgmma.mma_async") < baseline.count("wgmma.mma_async")  # no PV GEMM
+    assert "cp.async.bulk.tensor.4d.global.shared" not in ptx  # no O store
+    assert "div.rn.f32" not in ptx and "div.rn.f32" in baseline  # no score_mod (the soft-cap divides by its cap)
+    assert ptx.count("ex2.approx") < baseline.count("ex2.approx")

@@ -1,0 +1,85 @@
+"""Forward-kernel configuration policy: the defaults stay what was measured, every candidate option and debug
+ablation is opt-in, and the knobs a benchmark flips reach the launcher (no GPU needed)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from flexlab.kernels import config as policy
+from flexlab.kernels.config import ABLATIONS, FwdConfig, default_config
+from flexlab.runtime import launch
+from flexlab.runtime.compile import KernelMods
+
+
+@pytest.fixture
+def fresh_policy(monkeypatch):
+    """Each test flips knobs on a clean config cache and leaves the module as it found it."""
+    launch._config.cache_clear()
+    yield monkeypatch
+    monkeypatch.undo()
+    launch._config.cache_clear()
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize("score_mod", [False, True])
+def test_launcher_defaults_are_the_measured_configs(fresh_policy, D, sparse, score_mod):
+    mods = KernelMods(score_mod=(lambda *a: None) if score_mod else None)
+    for seqlen in (None, 1024, 16384):
+        cfg = launch.config_for(D, sparse, mods, seqlen, num_sms=132)
+        assert cfg == default_config(D, sparse, score_mod)
+        assert cfg.persistent_ctas == 0 and cfg.ablate == () and cfg.exp2_poly == 0
+        assert not cfg.rescale_before_pv and not cfg.early_block_index
+    assert default_config(128).num_stages == 2 and default_config(64, block_sparse=True).tile_m == 128
+
+
+def test_stage_table_picks_three_stages_for_long_keys(fresh_policy):
+    fresh_policy.setattr(policy, "D128_STAGES_FROM_SEQLEN", ((4096, 3),))
+    mods = KernelMods()
+    assert launch.config_for(128, False, mods, 4096).num_stages == 3
+    assert launch.config_for(128, True, mods, 16384).num_stages == 3
+    assert launch.config_for(128, False, mods, 1024).num_stages == 2
+    assert launch.config_for(64, False, mods, 16384) == default_config(64)
+    assert launch.config_for(128, False, mods, 4096).feasibility_error() is None
+
+
+def test_persistent_knob_uses_the_sm_count(fresh_policy):
+    fresh_policy.setattr(policy, "PERSISTENT", True)
+    cfg = launch.config_for(128, True, KernelMods(), 1024, num_sms=132)
+    assert cfg.persistent_ctas == 132 and cfg.separate_o
+    assert cfg.smem_bytes() <= policy.SMEM_BYTES_SM90
+
+
+def test_d64_sparse_192_knob(fresh_policy):
+    fresh_policy.setattr(policy, "D64_SPARSE_TILE_M", 192)
+    assert default_config(64, block_sparse=True).tile_m == 192
+    assert default_config(64, block_sparse=True, has_score_mod=True).tile_m == 128  # 160 registers spill there
+    from flexlab.backends import cute as backend
+    fresh_policy.setattr(backend, "_MASK_REASON", {})
+    assert backend._mask_reason((128, 128), 64) == ""  # a mask at torch's 128 still drives 192-row tiles (merged)
+    assert "BLOCK_SIZE" in backend._mask_reason((128, 64), 64)
+
+
+def test_ablations_are_canonical_and_checked():
+    a = FwdConfig(head_dim=128, ablate=("pv", "exp2", "pv"))
+    b = FwdConfig(head_dim=128, ablate=frozenset({"exp2", "pv"}))
+    assert a == b and repr(a) == repr(b) and a.ablate == ("exp2", "pv")
+    assert a != FwdConfig(head_dim=128)
+    assert "unknown ablation" in FwdConfig(head_dim=128, ablate=("nope",)).feasibility_error()
+    for name in ABLATIONS:
+        assert FwdConfig(head_dim=128, ablate=(name,)).feasibility_error() is None
+
+
+def test_options_are_validated_and_fit():
+    base = default_config(128)
+    assert "exp2_poly" in dataclasses.replace(base, exp2_poly=9).feasibility_error()
+    assert "persistent_ctas" in dataclasses.replace(base, persistent_ctas=-1).feasibility_error()
+    three = dataclasses.replace(base, num_stages=3)
+    assert three.feasibility_error() is None  # 225 KiB of 227
+    assert not dataclasses.replace(three, persistent_ctas=132).separate_o  # no room for O: it reuses Q's buffer
+    assert dataclasses.replace(base, persistent_ctas=132).separate_o
+    for D in (64, 128, 256):
+        cfg = dataclasses.replace(default_config(D), persistent_ctas=132)
+        assert cfg.feasibility_error() is None, (D, cfg.feasibility_error())
+    assert FwdConfig(head_dim=64, tile_m=192, num_stages=3).feasibility_error() is None
