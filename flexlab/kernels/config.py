@@ -38,9 +38,9 @@ ABLATIONS = {
 # Selection policy knobs, kept at the measured defaults; `default_config` reads them at call time so a benchmark can
 # flip them. D=128: ((min seqlen_k, K/V stages), ...) tried longest first; empty = 2 stages everywhere.
 D128_STAGES_FROM_SEQLEN: tuple[tuple[int, int], ...] = ()
-# D=64 with a block mask (no score_mod): 128-row tiles, or 192 (a BlockMask at 128 is then merged per tile, see
-# `flexlab.runtime.sparsity`).
-D64_SPARSE_TILE_M = 128
+# D=64 with a block mask (no score_mod): 192-row tiles (a BlockMask at 128 is then merged per tile, see
+# `flexlab.runtime.sparsity`), or 128. H200 causal, kernel time: 1.06x at B4 S4k, 1.13x at B1 S16k over 128 rows.
+D64_SPARSE_TILE_M = 192
 # Persistent kernels (one CTA per SM looping over tiles) for every default configuration; the launcher fills in the
 # device's SM count.
 PERSISTENT = False
@@ -152,9 +152,9 @@ def default_config(head_dim: int, block_sparse: bool = False, has_score_mod: boo
                    seqlen_k: int | None = None) -> FwdConfig:
     """Tile shape per head dim (and, through `D128_STAGES_FROM_SEQLEN`, per key length).
 
-    D=64 without a block mask or score_mod uses 192-row tiles (three consumer warpgroups); a block mask at torch's
-    default 128 block size gets 128-row tiles unless `D64_SPARSE_TILE_M` says 192, and a score_mod's extra
-    registers spill at 160 per thread.
+    D=64 without a score_mod uses 192-row tiles (three consumer warpgroups), also under a block mask at torch's
+    default 128 block size unless `D64_SPARSE_TILE_M` says 128; a score_mod's extra registers spill at 160 per
+    thread, so it gets 128-row tiles.
     """
     if head_dim <= 64:
         if not block_sparse and not has_score_mod:  # H200, B4 S4k: 496 TFLOP/s vs 465 with 2 stages, 430 at 128 rows

@@ -468,6 +468,11 @@ class FlexFwdSm90:
             st_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
             thr_st = cute.make_tiled_copy_C(st_atom, tiled_mma_pv).get_slice(tidx)
             cute.copy(st_atom, thr_st.retile(rO), thr_st.partition_D(sO))
+        else:
+            # Ablation: a store that never happens (seqlen_q is never negative) keeps O live, so that the compiler
+            # cannot delete the P·V GEMMs whose results nothing would read any more.
+            if seqlen_q < 0:
+                mLSE[0, head, batch] = acc_O[0]
 
         c_rows = rows_view(coords)
         if c_rows[0, 0][1] == 0:

@@ -1,6 +1,6 @@
 """Small case of every gallery variant (and dense) through backend='cute', for compute-sanitizer:
 
-    compute-sanitizer --tool memcheck python tests/kernels/memcheck_variants.py
+    compute-sanitizer --tool memcheck --report-api-errors no python tests/kernels/memcheck_variants.py
 
 Lengths are not tile multiples, so tail tiles, clamped captured-tensor reads and the TMA clipping are exercised.
 """

@@ -56,7 +56,8 @@ def _hopper():
 @pytest.mark.skipif(not _hopper(), reason="needs an sm90 GPU (H100/H200)")
 @pytest.mark.parametrize("D", [64, 128])
 def test_backward_loaded_from_disk_matches_the_compiled_one(D, tmp_path):
-    env = dict(os.environ, FLEXLAB_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=str(REPO))
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)  # keep any site dirs
+    env = dict(os.environ, FLEXLAB_CACHE_DIR=str(tmp_path / "cache"), PYTHONPATH=path)
 
     def run(name):
         res = subprocess.run([sys.executable, "-W", "ignore", "-c", _SCRIPT, str(tmp_path / name), str(D)], env=env,

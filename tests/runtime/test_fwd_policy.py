@@ -31,7 +31,7 @@ def test_launcher_defaults_are_the_measured_configs(fresh_policy, D, sparse, sco
         assert cfg == default_config(D, sparse, score_mod)
         assert cfg.persistent_ctas == 0 and cfg.ablate == () and cfg.exp2_poly == 0
         assert not cfg.rescale_before_pv and not cfg.early_block_index
-    assert default_config(128).num_stages == 2 and default_config(64, block_sparse=True).tile_m == 128
+    assert default_config(128).num_stages == 2 and default_config(64, block_sparse=True).tile_m == 192
 
 
 def test_stage_table_picks_three_stages_for_long_keys(fresh_policy):
@@ -51,9 +51,11 @@ def test_persistent_knob_uses_the_sm_count(fresh_policy):
     assert cfg.smem_bytes() <= policy.SMEM_BYTES_SM90
 
 
-def test_d64_sparse_192_knob(fresh_policy):
-    fresh_policy.setattr(policy, "D64_SPARSE_TILE_M", 192)
+def test_d64_sparse_tile_knob(fresh_policy):
     assert default_config(64, block_sparse=True).tile_m == 192
+    fresh_policy.setattr(policy, "D64_SPARSE_TILE_M", 128)
+    assert default_config(64, block_sparse=True).tile_m == 128
+    fresh_policy.setattr(policy, "D64_SPARSE_TILE_M", 192)
     assert default_config(64, block_sparse=True, has_score_mod=True).tile_m == 128  # 160 registers spill there
     from flexlab.backends import cute as backend
     fresh_policy.setattr(backend, "_MASK_REASON", {})
