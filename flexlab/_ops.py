@@ -132,13 +132,12 @@ def rebuild_block_mask(block_mask: list[Optional[Tensor]], block_size: list[int]
 
 
 # ----------------------------------------------------------------------------------------------------- forward
-@torch.library.custom_op("flexlab::flex_attention_fwd", mutates_args=())
-def flex_attention_fwd(q: Tensor, k: Tensor, v: Tensor, aux_tensors: list[Tensor],
-                       block_mask: list[Optional[Tensor]], block_size: list[int], scale: float, mods: str,
-                       aux_scalars: list[float], deterministic: bool) -> tuple[Tensor, Tensor]:
-    """(out (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) fp32, natural log). `deterministic` is for the backward."""
-    entry = mod_entry(mods)
-    bm = rebuild_block_mask(block_mask, block_size, entry.mask_mod, q.shape[2], k.shape[2])
+def attention_forward(q: Tensor, k: Tensor, v: Tensor, entry: ModEntry, block_mask: list[Optional[Tensor]],
+                      block_size: list[int], scale: float, bm=None) -> tuple[Tensor, Tensor]:
+    """The forward op's body, also called directly by the eager autograd path (`autograd.EagerAttention`), which
+    passes the BlockMask object `bm` it already holds."""
+    if bm is None:
+        bm = rebuild_block_mask(block_mask, block_size, entry.mask_mod, q.shape[2], k.shape[2])
     enable_gqa = q.shape[1] != k.shape[1]
     if q.is_cuda:
         from .backends.cute import flex_attention_forward
@@ -149,6 +148,14 @@ def flex_attention_fwd(q: Tensor, k: Tensor, v: Tensor, aux_tensors: list[Tensor
     return dense_forward(q, k, v, scale, entry.generated, keep)
 
 
+@torch.library.custom_op("flexlab::flex_attention_fwd", mutates_args=())
+def flex_attention_fwd(q: Tensor, k: Tensor, v: Tensor, aux_tensors: list[Tensor],
+                       block_mask: list[Optional[Tensor]], block_size: list[int], scale: float, mods: str,
+                       aux_scalars: list[float], deterministic: bool) -> tuple[Tensor, Tensor]:
+    """(out (B, Hq, Sq, D) in q's dtype, lse (B, Hq, Sq) fp32, natural log). `deterministic` is for the backward."""
+    return attention_forward(q, k, v, mod_entry(mods), block_mask, block_size, scale)
+
+
 @flex_attention_fwd.register_fake
 def _(q, k, v, aux_tensors, block_mask, block_size, scale, mods, aux_scalars, deterministic):
     B, Hq, Sq, _ = q.shape
@@ -156,13 +163,11 @@ def _(q, k, v, aux_tensors, block_mask, block_size, scale, mods, aux_scalars, de
 
 
 # ----------------------------------------------------------------------------------------------------- backward
-@torch.library.custom_op("flexlab::flex_attention_bwd", mutates_args=())
-def flex_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                       dlse: Optional[Tensor], aux_tensors: list[Tensor], block_mask: list[Optional[Tensor]],
-                       block_size: list[int], scale: float, mods: str, aux_scalars: list[float],
-                       deterministic: bool) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
-    """(dq, dk, dv, grads of the captured tensors listed by `ModEntry.grad_slots`, fp32)."""
-    entry = mod_entry(mods)
+def attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                       dlse: Optional[Tensor], entry: ModEntry, aux_tensors: list[Tensor],
+                       block_mask: list[Optional[Tensor]], block_size: list[int], scale: float,
+                       aux_scalars: list[float], deterministic: bool):
+    """The backward op's body, also called directly by the eager autograd path."""
     if q.is_cuda:
         from .kernels.bwd_launch import backward
         return backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, block_size, scale,
@@ -172,6 +177,16 @@ def flex_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tenso
     keep = kept_pairs(bm, entry.generated, q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.device)
     dq, dk, dv, aux_grads = dense_backward(dout, q, k, v, out, lse, dlse, scale, entry.generated, keep)
     return dq, dk, dv, aux_grads
+
+
+@torch.library.custom_op("flexlab::flex_attention_bwd", mutates_args=())
+def flex_attention_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                       dlse: Optional[Tensor], aux_tensors: list[Tensor], block_mask: list[Optional[Tensor]],
+                       block_size: list[int], scale: float, mods: str, aux_scalars: list[float],
+                       deterministic: bool) -> tuple[Tensor, Tensor, Tensor, list[Tensor]]:
+    """(dq, dk, dv, grads of the captured tensors listed by `ModEntry.grad_slots`, fp32)."""
+    return attention_backward(dout, q, k, v, out, lse, dlse, mod_entry(mods), aux_tensors, block_mask, block_size,
+                              scale, aux_scalars, deterministic)
 
 
 @flex_attention_bwd.register_fake

@@ -5,8 +5,11 @@ probabilities from the LSE (nothing S x S is kept between the passes) and also r
 tensors that require grad (learnable biases, ALiBi slopes, ...). A gradient flowing into the returned LSE is folded
 into the preprocess term D, so `return_lse=True` outputs are differentiable too.
 
-`differentiable_attention` is what `flexlab.flex_attention` calls for backend="cute" when gradients are needed. It is
-written so that `torch.compile(fullgraph=True)` traces it without graph breaks: the mods are resolved to a registry
+`differentiable_attention` is what `flexlab.flex_attention` calls for backend="cute" when gradients are needed. In
+eager mode it runs `EagerAttention`, a `torch.autograd.Function` over the same op bodies: the custom-op machinery
+(schema checks, pytree flattening, alias checks) costs several hundred microseconds of host time per training step,
+more than a small step's kernels take. Under torch.compile it calls the custom ops, and it is written so that
+`torch.compile(fullgraph=True)` traces it without graph breaks: the mods are resolved to a registry
 key by a function Dynamo runs once at trace time (`assume_constant_result`), and the captured tensors are read from
 the registry, where Dynamo lifts them to graph inputs. Under torch.compile, captured Python numbers (window sizes,
 softcaps) are therefore read when the graph is traced.
@@ -54,6 +57,38 @@ def _no_grad_like(is_tensor: list[bool]):
 
 
 _ops.flex_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class EagerAttention(torch.autograd.Function):
+    """The custom ops' autograd formula without the custom-op dispatch, for eager mode.
+
+    Positional inputs after the constants: the captured tensors (so that learnable ones receive gradients), then the
+    eight block-mask tensors (None where absent)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, entry, block_mask, block_size, scale, deterministic, num_aux, *tensors):
+        aux_tensors, mask_tensors = list(tensors[:num_aux]), list(tensors[num_aux:])
+        out, lse = _ops.attention_forward(q, k, v, entry, mask_tensors, block_size, scale, bm=block_mask)
+        ctx.set_materialize_grads(False)
+        ctx.entry, ctx.block_size, ctx.scale, ctx.deterministic = entry, block_size, scale, deterministic
+        ctx.num_aux, ctx.num_mask = num_aux, len(mask_tensors)
+        ctx.aux_scalars = list(entry.aux_scalars)
+        ctx.save_for_backward(q, k, v, out, lse, *tensors)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, *rest = ctx.saved_tensors
+        aux_tensors, mask_tensors = rest[:ctx.num_aux], list(rest[ctx.num_aux:])
+        if dout is None:  # only the LSE output was used
+            dout = torch.zeros_like(out)
+        dq, dk, dv, grads = _ops.attention_backward(
+            dout.contiguous(), q, k, v, out, lse, dlse, ctx.entry, list(aux_tensors), mask_tensors, ctx.block_size,
+            ctx.scale, ctx.aux_scalars, ctx.deterministic)
+        aux_grads = [None] * ctx.num_aux
+        for slot, g in zip(ctx.entry.grad_slots, grads):
+            aux_grads[slot] = g.to(aux_tensors[slot].dtype)
+        return (dq, dk, dv, None, None, None, None, None, None, *aux_grads, *([None] * ctx.num_mask))
 
 
 @torch._dynamo.assume_constant_result
@@ -114,6 +149,10 @@ def differentiable_attention(query, key, value, score_mod=None, block_mask=None,
         deterministic = torch.are_deterministic_algorithms_enabled()
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     mask_tensors, block_size = _block_mask_tensors(block_mask)
+    if not torch.compiler.is_compiling():
+        outputs = EagerAttention.apply(query, key, value, entry, block_mask, block_size, scale, bool(deterministic),
+                                       len(entry.aux_tensors), *entry.aux_tensors, *mask_tensors)
+        return outputs if return_lse else outputs[0]
     out, lse = _ops.flex_attention_fwd(query, key, value, entry.aux_tensors, mask_tensors, block_size, scale, key_,
                                        entry.aux_scalars, bool(deterministic))
     return (out, lse) if return_lse else out

@@ -188,6 +188,40 @@ def test_opcheck_forward_and_backward_ops():
     torch.library.opcheck(_ops.flex_attention_bwd, bwd_args, test_utils=("test_schema", "test_faketensor"))
 
 
+def test_eager_path_matches_the_custom_op_formula_and_skips_the_op(monkeypatch):
+    """Eager mode runs `EagerAttention` (no custom-op dispatch); its output and every gradient -- Q, K, V, a learnable
+    captured table, and a gradient into the LSE -- are bitwise those of the registered custom-op formula."""
+    bias = torch.randn(2, 9, dtype=torch.float64).requires_grad_(True)
+
+    def rel_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h, torch.clamp(kv_idx - q_idx, -4, 4) + 4]
+
+    bm = flexlab.create_block_mask(lambda b, h, qi, kv: qi >= kv, 1, 1, 48, 48, device="cpu", BLOCK_SIZE=16)
+    q, k, v = random_qkv(2, 2, 48, 48, 16, torch.float64, requires_grad=True)
+    dout, dlse = torch.randn(2, 2, 48, 16, dtype=torch.float64), torch.randn(2, 2, 48, dtype=torch.float64)
+    key = _ops.register_mods(rel_bias, bm.mask_mod)
+    entry = _ops.mod_entry(key)
+    masks, sizes = [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices, bm.q_num_blocks,
+                    bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices], [16, 16]
+
+    def run(fn):
+        for t in (q, k, v, bias):
+            t.grad = None
+        out, lse = fn()
+        (out * dout).sum().add((lse.masked_fill(~torch.isfinite(lse), 0) * dlse).sum()).backward()
+        return [out.detach(), lse.detach(), q.grad, k.grad, v.grad, bias.grad]
+
+    via_op = run(lambda: _ops.flex_attention_fwd(q, k, v, entry.aux_tensors, masks, sizes, 0.25, key,
+                                                 entry.aux_scalars, False))
+    calls = []
+    for name in ("flex_attention_fwd", "flex_attention_bwd"):
+        monkeypatch.setattr(_ops, name, lambda *a, _n=name, **kw: calls.append(_n))
+    eager = run(lambda: differentiable_attention(q, k, v, rel_bias, bm, 0.25, return_lse=True))
+    assert calls == []
+    for name, a, b in zip(["out", "lse", "dq", "dk", "dv", "dbias"], eager, via_op):
+        assert a is not None and torch.equal(a, b), name
+
+
 class _TinyBlock(torch.nn.Module):
     def __init__(self, heads: int, dim: int, score_mod):
         super().__init__()
