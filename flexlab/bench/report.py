@@ -38,12 +38,19 @@ def _module_version(module: str) -> str | None:
 
 
 def _git_commit() -> str | None:
+    """HEAD's short hash, with "-dirty" when tracked source files differ from it (the numbers then come from a tree
+    that no commit holds; `--label` should name it)."""
+    here = Path(__file__).resolve().parent
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent)
+                             cwd=here)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10, cwd=here)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+    if out.returncode != 0 or not out.stdout.strip():
+        return None
+    return out.stdout.strip() + ("-dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
 
 
 def environment(device: torch.device) -> dict:
