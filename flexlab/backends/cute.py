@@ -19,15 +19,32 @@ _HEAD_DIMS = (64, 128, 256)
 
 def _captured_state(fn) -> tuple:
     """What a mod reads from outside: closure cells and the globals its code names. Numbers by value, tensors by
-    identity and in-place version, anything else by identity. Cheap enough to check on every call."""
+    identity and in-place version, anything else by identity. Cheap enough to check on every call: where to look
+    is worked out once per function (`_readers`), only the values are read each time."""
     if fn is None:
         return ()
-    code = getattr(fn, "__code__", None)
-    values = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ()) if _cell_full(c)]
-    if code is not None:
-        glb = getattr(fn, "__globals__", {})
-        values += [glb[n] for n in code.co_names if n in glb]
+    cells, glb, names = _readers(fn)
+    values = [c.cell_contents for c in cells if _cell_full(c)]
+    values += [glb[n] for n in names if n in glb]
     return tuple(_fingerprint(v) for v in values)
+
+
+_READERS: dict = {}
+
+
+def _readers(fn) -> tuple:
+    """(closure cells, globals dict, names of the code that are globals) of `fn`, cached per (function, code)."""
+    code = getattr(fn, "__code__", None)
+    hit = _READERS.get(fn)
+    if hit is not None and hit[0] is code:
+        return hit[1]
+    cells = tuple(getattr(fn, "__closure__", None) or ())
+    glb = getattr(fn, "__globals__", {}) if code is not None else {}
+    # A name of the code that is not a global now (an attribute such as `torch.where`'s `where`) cannot be one the
+    # mod reads later: it would have failed to trace.
+    names = tuple(n for n in code.co_names if n in glb) if code is not None else ()
+    _READERS[fn] = (code, (cells, glb, names))
+    return cells, glb, names
 
 
 def _cell_full(cell) -> bool:
@@ -92,9 +109,16 @@ def _lowered(score_mod, mask_mod) -> _Lowered:
     return hit
 
 
+_NOOP_MASK = []
+
+
 def _is_noop_mask(mask_mod) -> bool:
-    from torch.nn.attention.flex_attention import noop_mask
-    return mask_mod is None or mask_mod is noop_mask
+    if mask_mod is None:
+        return True
+    if not _NOOP_MASK:  # torch's noop_mask, imported on first use (this module is imported by `import flexlab`)
+        from torch.nn.attention.flex_attention import noop_mask
+        _NOOP_MASK.append(noop_mask)
+    return mask_mod is _NOOP_MASK[0]
 
 
 def _effective_mask_mod(block_mask):

@@ -115,9 +115,10 @@ def default_bwd_config(head_dim: int) -> BwdConfig:
 
 def shares_block_mask_with_forward(head_dim: int, block_size: int = 128) -> bool:
     """True when one BlockMask at `block_size` drives both the forward and the backward kernel."""
+    from ..runtime.sparsity import block_size_incompatibility  # the forward's own rule (192-row tiles merge rows)
     fwd = default_config(head_dim, block_sparse=True)
     bwd = default_bwd_config(head_dim)
-    return (block_size % fwd.tile_m == 0 and block_size % fwd.tile_n == 0
+    return (block_size_incompatibility((block_size, block_size), fwd.tile_m, fwd.tile_n) is None
             and bwd.block_mask_error(block_size, block_size) is None)
 
 

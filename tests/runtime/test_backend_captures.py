@@ -32,6 +32,30 @@ def test_new_scalar_value_same_kernel_mods():
     assert second.mods == first.mods and hash(second.mods) == hash(first.mods)  # same compiled kernel
 
 
+WINDOW = 64  # a module-level number a mod reads as a global
+
+
+def test_rebound_global_is_seen_and_a_new_code_object_is_reread():
+    global WINDOW
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.where(q_idx - kv_idx < WINDOW, score, score - 1.0)
+
+    first = backend._lowered(score_mod, None)
+    assert first.aux_scalars == (64,)
+    WINDOW = 128
+    try:
+        second = backend._lowered(score_mod, None)
+        assert second.aux_scalars == (128,)
+
+        def other(score, b, h, q_idx, kv_idx):
+            return score * 2.0
+        score_mod.__code__ = other.__code__  # where to look is worked out again for the new code
+        assert backend._lowered(score_mod, None).aux_scalars == ()
+    finally:
+        WINDOW = 64
+
+
 def test_in_place_edit_of_captured_tensor_is_seen():
     bias = torch.zeros(8)
 

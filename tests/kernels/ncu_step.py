@@ -1,0 +1,40 @@
+"""One training step of flexlab and of FA4 on the same inputs, for Nsight Compute (not a test; GPU machine only):
+
+    ncu --clock-control none -k regex:'FlexFwdSm90|FlexBwdSm90|ForwardSm90|BackwardSm90' --section SpeedOfLight \
+        --section WarpStateStats ... python tests/kernels/ncu_step.py causal 4 4096 128
+
+Each backend runs the step twice (the first compiles); profile the second with `--launch-skip`/`--launch-count` or
+keep both. FA4 runs only when flash_attn.cute imports and spells the variant.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def main(variant: str = "dense", B: int = 4, S: int = 4096, D: int = 128, H: int = 16) -> None:
+    import flexlab
+    from flexlab.bench.cases import build_case
+    from flexlab.bench.peers import Unavailable, prepare_fa4
+
+    case = build_case(variant, B, H, S, "cuda")
+    bm = flexlab.create_block_mask(case.mask_mod, None, None, S, S, device="cuda") if case.mask_mod else None
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    dout = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
+    for _ in range(2):
+        flexlab.flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm, backend="cute").backward(dout)
+    torch.cuda.synchronize()
+    try:
+        prep = prepare_fa4(case, q, k, v, bm, True)
+    except Unavailable as e:
+        print("fa4:", e)
+        return
+    for _ in range(2):
+        prep.call().backward(prep.from_bhsd(dout))
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    a = sys.argv[1:]
+    main(a[0] if a else "dense", *(int(x) for x in a[1:4]))
