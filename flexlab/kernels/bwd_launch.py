@@ -285,7 +285,7 @@ def _kernels(g, grad_slots, kernel_aux, dtype: torch.dtype, cfg: BwdConfig, spar
              deterministic: bool, arch: str) -> Kernels:
     """Compiled kernels for this call; one dict lookup once warm. Everything in the fast key's place is fixed by
     the generated code's hash (mod structure, captured-tensor dtypes/ranks, which of them require grad)."""
-    fast = (g.hash if g is not None else "", dtype, cfg.head_dim, sparse, has_dlse, deterministic, arch)
+    fast = (g.hash if g is not None else "", dtype, cfg, sparse, has_dlse, deterministic, arch)
     hit = _KERNELS.get(fast)
     if hit is not None:
         return hit

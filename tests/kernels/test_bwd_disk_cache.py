@@ -336,6 +336,20 @@ print(json.dumps(dict(compiles=s.compiles, disk_hits=s.disk_hits, where=bwd_laun
 
 
 # ---------------------------------------------------------------------------------------------- warm path
+def test_each_configuration_gets_its_own_kernels(monkeypatch, fresh_cache):
+    """A tuning sweep swaps the launcher's configuration inside one process; the warm lookup must not hand it the
+    kernels of the configuration it ran first."""
+    import dataclasses
+    keys = _recorded_keys(monkeypatch)
+    base = bwd_launch._config(128)
+    other = dataclasses.replace(base, kv_tiles_first=True)
+    a = bwd_launch._kernels(None, (), (), torch.bfloat16, base, False, False, False, "sm_90a")
+    b = bwd_launch._kernels(None, (), (), torch.bfloat16, other, False, False, False, "sm_90a")
+    assert a is not b and a.main is not b.main
+    assert [k.config for k in keys if isinstance(k, bwd_launch.BwdKey)] == [base, other]
+    assert bwd_launch._kernels(None, (), (), torch.bfloat16, other, False, False, False, "sm_90a") is b
+
+
 def test_a_warm_call_neither_hashes_nor_touches_the_disk(monkeypatch, fresh_cache):
     _recorded_keys(monkeypatch)
     g = _mods()["softcap"]
