@@ -82,6 +82,7 @@ class Variant:
     kind: str  # "baseline" | "ablation" | "candidate"
     config: object  # FwdConfig
     what: str
+    heads_group: int = 0  # (batch, head) pairs per L2 group of the CTA order; 0: the launcher's rule
 
 
 def variants_for(row, base, num_sms: int) -> list[Variant]:
@@ -105,6 +106,10 @@ def variants_for(row, base, num_sms: int) -> list[Variant]:
         cand.append(Variant("tile192", "candidate", t192, "192-row tiles over the 128-block mask (merged rows)"))
         cand.append(Variant("tile192+persistent", "candidate", rep(t192, persistent_ctas=num_sms),
                             "192-row tiles, persistent"))
+    # The CTA order alone (same kernel): all Q tiles of one head back to back, or four heads interleaved, instead of
+    # as many heads as fit half the L2 (`runtime.schedule.heads_per_group`).
+    cand += [Variant(f"group{g}", "candidate", base, f"{g} (batch, head) pairs per L2 group", heads_group=g)
+             for g in (1, 4)]
     cand += [Variant("exp2_poly2", "candidate", rep(base, exp2_poly=2), "2 of 8 exponentials on the FMA pipe"),
              Variant("exp2_poly4", "candidate", rep(base, exp2_poly=4), "4 of 8 exponentials on the FMA pipe"),
              Variant("rescale_before_pv", "candidate", rep(base, rescale_before_pv=True),
@@ -212,7 +217,7 @@ class RowState:
         return self._ref
 
 
-def direct_call(state: RowState, fn, key):
+def direct_call(state: RowState, fn, key, heads_group: int = 0):
     """A no-argument call of the compiled kernel with everything prepared once (kernel time + a bare launch)."""
     import torch
     from flexlab.runtime.launch import _to_cute
@@ -227,8 +232,8 @@ def direct_call(state: RowState, fn, key):
         sparse, order = kbm.as_args(), kbm.order
     out = torch.empty_like(q)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
-    args = (q, k, v, out, lse, D ** -0.5, 1, heads_per_group(S, D, 2, 1, B * H), sparse, order, state.aux_t,
-            state.aux_s)
+    group = heads_group or heads_per_group(S, D, 2, 1, B * H)
+    args = (q, k, v, out, lse, D ** -0.5, 1, group, sparse, order, state.aux_t, state.aux_s)
     if key.tvm_ffi:
         return (lambda: fn(*args)), out
     import cuda.bindings.driver as cuda
@@ -259,7 +264,7 @@ def run_variant(state: RowState, v: Variant, args) -> dict:
     from flexlab.bench import check
     from flexlab.runtime import launch
     from flexlab.runtime.compile import forward_kernel, kernel_cache
-    rec: dict = {"role": v.kind, "config": repr(v.config)}
+    rec: dict = {"role": v.kind, "config": repr(v.config), "heads_group": v.heads_group}
     sparse = state.block_mask is not None
     hits = kernel_cache().stats.disk_hits
     t0 = time.perf_counter()
@@ -267,7 +272,7 @@ def run_variant(state: RowState, v: Variant, args) -> dict:
     rec["load_s"] = round(time.perf_counter() - t0, 2)
     _emit("loaded", name=f"{state.row.name} | {v.name}")  # from here on the watchdog allows --run-timeout
     rec["compiled_here"] = kernel_cache().stats.disk_hits == hits and rec["load_s"] > 1.0
-    call, out = direct_call(state, fn, key)
+    call, out = direct_call(state, fn, key, v.heads_group)
     call()
     torch.cuda.synchronize()
     if v.kind != "ablation":
