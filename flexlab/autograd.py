@@ -42,12 +42,18 @@ def _backward(ctx, dout, dlse):
     dq, dk, dv, grads = _ops.flex_attention_bwd(
         dout.contiguous(), q, k, v, out, lse, dlse, list(aux_tensors), block_mask, ctx.block_size, ctx.scale,
         ctx.mods, ctx.aux_scalars, ctx.deterministic)
-    aux_grads = [None] * ctx.num_aux
-    for slot, g in zip(_ops.mod_entry(ctx.mods).grad_slots, grads):
-        aux_grads[slot] = g.to(aux_tensors[slot].dtype)
+    aux_grads = _captured_grads(_ops.mod_entry(ctx.mods).grad_slots, grads, aux_tensors)
     return (dq, dk, dv, aux_grads, _no_grad_like(ctx.mask_present), _no_grad_like([False] * ctx.num_block_size),
             None, None,
             _no_grad_like([False] * len(ctx.aux_scalars)), None)
+
+
+def _captured_grads(grad_slots, grads, aux_tensors) -> list:
+    """One gradient (or None) per captured tensor, in its dtype, from the backward's list for `grad_slots`."""
+    out = [None] * len(aux_tensors)
+    for slot, g in zip(grad_slots, grads):
+        out[slot] = g.to(aux_tensors[slot].dtype)
+    return out
 
 
 def _no_grad_like(is_tensor: list[bool]):
@@ -85,9 +91,7 @@ class EagerAttention(torch.autograd.Function):
         dq, dk, dv, grads = _ops.attention_backward(
             dout.contiguous(), q, k, v, out, lse, dlse, ctx.entry, list(aux_tensors), mask_tensors, ctx.block_size,
             ctx.scale, ctx.aux_scalars, ctx.deterministic)
-        aux_grads = [None] * ctx.num_aux
-        for slot, g in zip(ctx.entry.grad_slots, grads):
-            aux_grads[slot] = g.to(aux_tensors[slot].dtype)
+        aux_grads = _captured_grads(ctx.entry.grad_slots, grads, aux_tensors)
         return (dq, dk, dv, None, None, None, None, None, None, *aux_grads, *([None] * ctx.num_mask))
 
 
