@@ -175,5 +175,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                                                 return_lse=True, deterministic=deterministic)
         else:
             from .backends import cute
-            out, lse = cute.flex_attention_forward(query, key, value, score_mod, block_mask, scale, enable_gqa)
+            # `_choose_backend` has just lowered the mods (reading their captures) in this call
+            out, lse = cute.flex_attention_forward(query, key, value, score_mod, block_mask, scale, enable_gqa,
+                                                   captures_checked=True)
     return (out, lse) if return_lse else out

@@ -211,11 +211,12 @@ def _mask_reason(block_size, head_dim: int) -> str:
     return reason
 
 
-def flex_attention_forward(q, k, v, score_mod, block_mask, scale, enable_gqa):
+def flex_attention_forward(q, k, v, score_mod, block_mask, scale, enable_gqa, captures_checked: bool = False):
     """(out in q's dtype, lse fp32 natural log (B, Hq, Sq)).
 
     Inputs arrive validated by flexlab.api, which has already asked `is_supported`; this path does no re-checking
-    beyond the device so that a warm call stays within microseconds of host time.
+    beyond the device so that a warm call stays within microseconds of host time. `captures_checked`: the caller
+    lowered these mods (`support_reason`) earlier in the same call, so their captured values are not read again.
     """
     if q.device.type != "cuda":
         raise BackendUnavailableError(f"backend='cute' needs CUDA tensors, got {q.device}")
@@ -223,7 +224,9 @@ def flex_attention_forward(q, k, v, score_mod, block_mask, scale, enable_gqa):
     mask_mod = _effective_mask_mod(block_mask)
     if score_mod is None and mask_mod is None:
         return forward(q, k, v, block_mask=block_mask, scale=scale)
-    low = _lowered(score_mod, mask_mod)
+    low = _LOWERED.get((score_mod, mask_mod)) if captures_checked else None
+    if low is None:
+        low = _lowered(score_mod, mask_mod)
     return forward(q, k, v, low.mods, low.tensors_on(q.device), low.aux_scalars, block_mask, scale)
 
 

@@ -83,3 +83,35 @@ def test_kernel_key_follows_the_generated_text_not_only_the_graph(monkeypatch):
     g = generate(softcap, None, fastmath=True)
     assert low.mods.source_hash == hashlib.sha256(g.source.encode()).hexdigest()
     assert low.mods.source_hash != g.hash
+
+
+def test_api_call_passes_the_values_captured_at_that_call(monkeypatch):
+    """flex_attention reads a mod's captures once per call (the backend check) and launches with those values: a new
+    soft-cap between two calls reaches the second launch."""
+    import flexlab
+    from flexlab.runtime import launch
+
+    score_mod, set_cap = _softcap()
+    seen = []
+
+    def fake_forward(q, k, v, mods=None, aux_tensors=(), aux_scalars=(), block_mask=None, scale=None):
+        seen.append(tuple(aux_scalars))
+        return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+    monkeypatch.setattr(backend, "_device_reason", lambda device: "")
+    monkeypatch.setattr(launch, "forward", fake_forward)
+
+    class FakeCuda:  # what the Python-side checks read of a CUDA device
+        type = "cuda"
+
+    fake_cuda = FakeCuda()
+    q = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16)
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: fake_cuda), raising=False)
+    try:
+        with torch.no_grad():
+            flexlab.flex_attention(q, q, q, score_mod, backend="cute")
+            set_cap(7.5)
+            flexlab.flex_attention(q, q, q, score_mod, backend="cute")
+    finally:
+        monkeypatch.undo()
+    assert seen == [(20.0,), (7.5,)]
