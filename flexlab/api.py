@@ -6,6 +6,7 @@ import numbers
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
+from .backends import cute  # torch only: cutlass loads when a kernel is first built
 from .errors import BackendUnavailableError, FlexlabTypeError, FlexlabValueError
 from .mods import check_mask_mod, check_score_mod
 
@@ -93,7 +94,6 @@ def _cute_plan(query, key, value, score_mod, block_mask) -> tuple[str, bool]:
 def _cute_plan_static(device, dtype, head_dim, v_head_dim, score_mod, mask_mod, block_size, has_q_lists,
                       qkv_grad: bool, grad_enabled: bool) -> str:
     """The reason string with "1" (backward needed) or "0" appended: one string, so Dynamo folds it as a constant."""
-    from .backends import cute
     reason = cute.support_reason(device, dtype, head_dim, v_head_dim, score_mod, mask_mod, block_size)
     needs_grad = not reason and (qkv_grad or (grad_enabled and cute.captured_requires_grad(score_mod, mask_mod)))
     if needs_grad:
@@ -174,7 +174,6 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
             out, lse = differentiable_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
                                                 return_lse=True, deterministic=deterministic)
         else:
-            from .backends import cute
             # `_choose_backend` has just lowered the mods (reading their captures) in this call
             out, lse = cute.flex_attention_forward(query, key, value, score_mod, block_mask, scale, enable_gqa,
                                                    captures_checked=True)
