@@ -10,8 +10,6 @@ and rebuilt, never trusted.
 from __future__ import annotations
 
 import importlib.util
-import re
-import subprocess
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -22,6 +20,7 @@ from typing import Callable, Optional
 from ..kernels.config import FwdConfig
 from .disk_cache import CacheStats, KernelCache, cache_dir, cutlass_version, dsl_settings, key_digest, \
     source_fingerprint  # noqa: F401  (CacheStats, cache_dir: re-exported, as before the store moved)
+from .ptxas import assemble
 
 
 @dataclass(frozen=True)
@@ -167,13 +166,6 @@ def compile_report(key: CompileKey, mods: KernelMods = KernelMods()) -> CompileR
     t0 = time.perf_counter()
     ptx = forward_ptx(key, mods)
     seconds = time.perf_counter() - t0
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "k.ptx"
-        src.write_text(ptx)
-        res = subprocess.run(["ptxas", f"-arch={key.arch}", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
-                             capture_output=True, text=True, check=True)
-    info = res.stdout + res.stderr
-    regs = int(re.search(r"Used (\d+) registers", info).group(1))
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
-    return CompileReport(regs, int(spills.group(1)), int(spills.group(2)), "wgmma.mma_async" in ptx,
-                         "cp.async.bulk.tensor" in ptx, ptx.count("\n"), seconds)
+    info, _ = assemble(ptx, key.arch)
+    return CompileReport(info["registers"], info.get("spill_store_bytes", 0), info.get("spill_load_bytes", 0),
+                         "wgmma.mma_async" in ptx, "cp.async.bulk.tensor" in ptx, ptx.count("\n"), seconds)

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from ..runtime.ptxas import parse_ptxas_verbose  # noqa: F401  (part of this module's interface)
+
 INSTALL_HINTS = {
     "ptxas": "pip install nvidia-cuda-nvcc",
     "nvdisasm": "pip install nvidia-cuda-nvdisasm",
@@ -73,26 +75,6 @@ def find_tool(name: str) -> Optional[str]:
 
 
 # ------------------------------------------------------------------------------------------------ parsing
-def parse_ptxas_verbose(text: str) -> dict:
-    """Numbers from ``ptxas -v``: registers, barriers, spills, stack, static shared memory, constant memory."""
-    out: dict = {}
-    patterns = {
-        "registers": r"Used (\d+) registers",
-        "barriers": r"used (\d+) barriers",
-        "stack_bytes": r"(\d+) bytes stack frame",
-        "spill_store_bytes": r"(\d+) bytes spill stores",
-        "spill_load_bytes": r"(\d+) bytes spill loads",
-        "smem_static_bytes": r"(\d+) bytes smem",
-    }
-    for key, pat in patterns.items():
-        m = re.search(pat, text)
-        if m:
-            out[key] = int(m.group(1))
-    out.setdefault("barriers", 0)
-    out.setdefault("smem_static_bytes", 0)
-    return out
-
-
 _SASS_LINE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*(?:\.[A-Za-z0-9_]+)*)")
 
 

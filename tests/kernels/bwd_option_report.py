@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -69,16 +67,11 @@ def compile_ptx(key, g) -> str:
 
 
 def ptxas_report(ptx: str) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        with open(f"{tmp}/k.ptx", "w") as f:
-            f.write(ptx)
-        res = subprocess.run(["ptxas", "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
-                             capture_output=True, text=True, check=True)
-    info = res.stdout + res.stderr
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
-    return {"registers": int(re.search(r"Used (\d+) registers", info).group(1)),
-            "spill_stores": sum(int(a) for a, _ in spills), "spill_loads": sum(int(b) for _, b in spills),
-            "ptxas_warnings": [line.strip() for line in info.splitlines() if "warning" in line.lower()]}
+    from flexlab.runtime.ptxas import assemble
+    info, log = assemble(ptx)
+    return {"registers": info["registers"], "spill_stores": info["spill_store_bytes"],
+            "spill_loads": info["spill_load_bytes"],
+            "ptxas_warnings": [line.strip() for line in log.splitlines() if "warning" in line.lower()]}
 
 
 def compile_cell(job: tuple) -> dict:

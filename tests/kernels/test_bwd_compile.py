@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 import warnings
 
 import pytest
@@ -21,18 +20,11 @@ pytestmark = pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs ptx
 
 def _assemble(compiled) -> tuple[str, dict]:
     """(ptx, {'registers', 'spill_stores', 'spill_loads'}) from ptxas -v."""
-    import tempfile
+    from flexlab.runtime.ptxas import assemble
     ptx = compiled.__ptx__
-    with tempfile.TemporaryDirectory() as tmp:
-        src = f"{tmp}/k.ptx"
-        with open(src, "w") as f:
-            f.write(ptx)
-        res = subprocess.run(["ptxas", "-arch=sm_90a", "-v", src, "-o", f"{tmp}/k.cubin"], capture_output=True,
-                             text=True, check=True)
-    info = res.stdout + res.stderr
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
-    return ptx, {"registers": int(re.search(r"Used (\d+) registers", info).group(1)),
-                 "spill_stores": sum(int(a) for a, _ in spills), "spill_loads": sum(int(b) for _, b in spills)}
+    info, _ = assemble(ptx)
+    return ptx, {"registers": info["registers"], "spill_stores": info["spill_store_bytes"],
+                 "spill_loads": info["spill_load_bytes"]}
 
 
 def _no_spills(report):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import subprocess
 import warnings
 from types import SimpleNamespace
 from unittest import mock
@@ -229,14 +228,9 @@ def _recording_compiles(monkeypatch, build: bool, signatures=None):
 
 
 def _spills(ptx: str) -> tuple[int, int]:
-    import tempfile
-    with tempfile.TemporaryDirectory() as tmp:
-        with open(f"{tmp}/k.ptx", "w") as f:
-            f.write(ptx)
-        res = subprocess.run(["ptxas", "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
-                             capture_output=True, text=True, check=True)
-    found = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", res.stdout + res.stderr)
-    return sum(int(a) for a, _ in found), sum(int(b) for _, b in found)
+    from flexlab.runtime.ptxas import assemble
+    info, _ = assemble(ptx)
+    return info["spill_store_bytes"], info["spill_load_bytes"]
 
 
 # (head dim, score_mod, mask_mod, deterministic, dlse): dense and block-sparse, with and without captured tensors and

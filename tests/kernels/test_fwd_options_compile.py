@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 import re
 import shutil
-import subprocess
-import tempfile
 import warnings
 
 import pytest
@@ -18,6 +16,7 @@ if shutil.which("ptxas") is None:
 
 from flexlab.kernels.config import ABLATIONS, FwdConfig, default_config  # noqa: E402
 from flexlab.runtime.compile import CompileKey, KernelMods, _build  # noqa: E402
+from flexlab.runtime.ptxas import assemble  # noqa: E402
 
 ALL_OPTIONS = dict(persistent_ctas=132, exp2_poly=2, rescale_before_pv=True, early_block_index=True)
 
@@ -39,16 +38,9 @@ def _compile(cfg: FwdConfig, kind: str) -> tuple[str, dict]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ptx = _build(key, mods, " --keep-ptx").__ptx__
-    with tempfile.TemporaryDirectory() as tmp:
-        with open(f"{tmp}/k.ptx", "w") as f:
-            f.write(ptx)
-        res = subprocess.run(["ptxas", "-arch=sm_90a", "-v", f"{tmp}/k.ptx", "-o", f"{tmp}/k.cubin"],
-                             capture_output=True, text=True, check=True)
-    info = res.stdout + res.stderr
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
-    report = {"registers": int(re.search(r"Used (\d+) registers", info).group(1)),
-              "spill_stores": int(spills.group(1)), "spill_loads": int(spills.group(2)),
-              "serialized": "serialized" in info}
+    info, log = assemble(ptx)
+    report = {"registers": info["registers"], "spill_stores": info["spill_store_bytes"],
+              "spill_loads": info["spill_load_bytes"], "serialized": "serialized" in log}
     return ptx, report
 
 
