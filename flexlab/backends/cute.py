@@ -6,7 +6,6 @@
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 
 import torch
@@ -75,11 +74,9 @@ class _Lowered:
                                                                                      g.aux_scalar_kinds))
         specs = tuple((str(t.dtype).removeprefix("torch."), t.dim()) for t in self.aux_tensors)
         kinds = tuple("float" if k == "float" else "int" for k in g.aux_scalar_kinds)
-        # Keyed by the generated text itself, not only the traced graph: a change in the code generator's output
-        # must never load a kernel compiled from older generated code out of the on-disk cache.
-        source_hash = hashlib.sha256(g.source.encode()).hexdigest()
+        # Keyed by the generated text, not only the traced graph (`GeneratedMods.source_hash`).
         self.mods = KernelMods(module.score_mod if g.has_score_mod else None,
-                               module.mask_mod if g.has_mask_mod else None, source_hash, specs, kinds)
+                               module.mask_mod if g.has_mask_mod else None, g.source_hash, specs, kinds)
         self._per_device: dict = {}
 
     def tensors_on(self, device) -> tuple:

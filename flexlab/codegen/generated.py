@@ -7,6 +7,7 @@ captured scalar values or tensor data, so a new window size or softcap reuses th
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import html
 import linecache
@@ -49,6 +50,12 @@ class GeneratedMods:
         self.hash = key
         self._names = names
         self._kernel_aux = None  # (version counters of the captured tensors, their kernel views)
+
+    @functools.cached_property
+    def source_hash(self) -> str:
+        """sha256 of the generated text. `hash` names the traced graph and stays put when the code generator's output
+        for that graph changes; compiled kernels kept on disk are keyed by this one, so they never outlive the text."""
+        return hashlib.sha256(self.source.encode()).hexdigest()
 
     def refresh(self) -> "GeneratedMods":
         """The mods as they are now: new values of captured numbers without tracing again (same source and hash);

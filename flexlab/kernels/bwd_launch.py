@@ -15,7 +15,6 @@ or the block mask is cached.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -70,9 +69,7 @@ class BwdKey(_DiskKey):
     deterministic: bool = False
     arch: str = "sm_90a"
     fixed_point_aux_grads: bool = False  # int64 fixed-point captured-tensor grads (deterministic mode)
-    # sha256 of the generated source: `source_hash` is the mod graph's hash, which stays the same when the code
-    # generator's output for that graph changes; the disk cache outlives such an edit, so the source itself counts.
-    generated_source: str = ""
+    generated_source: str = ""  # `GeneratedMods.source_hash`: the disk cache must not outlive a code-generator edit
     cutlass_version: str = field(default_factory=lambda: cutlass_version())
     kernel_source: str = field(default_factory=lambda: bwd_fingerprint())
     dsl_settings: str = field(default_factory=lambda: dsl_settings())
@@ -101,11 +98,6 @@ class BwdPostKey(_DiskKey):
     cutlass_version: str = field(default_factory=lambda: cutlass_version())
     kernel_source: str = field(default_factory=lambda: bwd_fingerprint())
     dsl_settings: str = field(default_factory=lambda: dsl_settings())
-
-
-def generated_source_hash(g) -> str:
-    """sha256 of a `GeneratedMods`' source, "" without mods (cold path only: `_kernels` caches what it keys)."""
-    return hashlib.sha256(g.source.encode()).hexdigest()[:32] if g is not None else ""
 
 
 _CACHE = KernelCache()
@@ -302,7 +294,7 @@ def _kernels(g, grad_slots, kernel_aux, dtype: torch.dtype, cfg: BwdConfig, spar
                  tuple((str(t.dtype).removeprefix("torch."), t.dim()) for t in kernel_aux),
                  tuple("float" if kind == "float" else "int" for kind in (g.aux_scalar_kinds if g else ())),
                  tuple(kernel_aux[i].dim() for i in grad_slots), name, cfg, sparse, deterministic, arch,
-                 fixed_point, generated_source_hash(g))
+                 fixed_point, g.source_hash if g is not None else "")
     hit = Kernels(preprocess_kernel(name, D, has_dlse, arch), main_kernel(key, g), postprocess_kernel(name, D, arch),
                   torch.int64 if fixed_point else torch.float32)
     _KERNELS[fast] = hit
