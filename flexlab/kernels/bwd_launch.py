@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..errors import BackendUnavailableError
-from ..runtime.disk_cache import KernelCache, cutlass_version, dsl_settings, key_digest, source_fingerprint
+from ..runtime.disk_cache import KernelCache, StampedKey, source_fingerprint
 from .bwd_config import BwdConfig, default_bwd_config
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -42,18 +42,16 @@ def bwd_fingerprint() -> str:
     return source_fingerprint(_FINGERPRINT_ROOTS)
 
 
-class _DiskKey:
-    """What `KernelCache` needs of a key: a digest over every field, and whether it may be stored (the backward is
-    only ever built with TVM-FFI, so always)."""
+@dataclass(frozen=True, kw_only=True)
+class _BwdStamp(StampedKey):
+    """The backward kernels' keys: the toolchain stamp and the backward's source fingerprint (always stored on disk:
+    the backward is only ever built with TVM-FFI)."""
 
-    on_disk = True
-
-    def digest(self) -> str:
-        return key_digest(self)
+    kernel_source: str = field(default_factory=lambda: bwd_fingerprint())
 
 
 @dataclass(frozen=True)
-class BwdKey(_DiskKey):
+class BwdKey(_BwdStamp):
     """Everything the main backward kernel is specialised on."""
 
     source_hash: str
@@ -70,34 +68,25 @@ class BwdKey(_DiskKey):
     arch: str = "sm_90a"
     fixed_point_aux_grads: bool = False  # int64 fixed-point captured-tensor grads (deterministic mode)
     generated_source: str = ""  # `GeneratedMods.source_hash`: the disk cache must not outlive a code-generator edit
-    cutlass_version: str = field(default_factory=lambda: cutlass_version())
-    kernel_source: str = field(default_factory=lambda: bwd_fingerprint())
-    dsl_settings: str = field(default_factory=lambda: dsl_settings())
 
 
 @dataclass(frozen=True)
-class BwdPreKey(_DiskKey):
+class BwdPreKey(_BwdStamp):
     """The preprocess kernel (D = rowsum(O * dO), LSE in base 2)."""
 
     dtype: str
     head_dim: int
     has_dlse: bool
     arch: str = "sm_90a"
-    cutlass_version: str = field(default_factory=lambda: cutlass_version())
-    kernel_source: str = field(default_factory=lambda: bwd_fingerprint())
-    dsl_settings: str = field(default_factory=lambda: dsl_settings())
 
 
 @dataclass(frozen=True)
-class BwdPostKey(_DiskKey):
+class BwdPostKey(_BwdStamp):
     """The postprocess kernel (dQ = scale * fp32 sum, in the input dtype)."""
 
     dtype: str
     head_dim: int
     arch: str = "sm_90a"
-    cutlass_version: str = field(default_factory=lambda: cutlass_version())
-    kernel_source: str = field(default_factory=lambda: bwd_fingerprint())
-    dsl_settings: str = field(default_factory=lambda: dsl_settings())
 
 
 _CACHE = KernelCache()

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from ..kernels.config import FwdConfig
-from .disk_cache import CacheStats, KernelCache, cache_dir, cutlass_version, dsl_settings, key_digest, \
-    source_fingerprint  # noqa: F401  (CacheStats, cache_dir: re-exported, as before the store moved)
+from .disk_cache import CacheStats, cache_dir, cutlass_version  # noqa: F401  (re-exported, as before the store moved)
+from .disk_cache import KernelCache, StampedKey, source_fingerprint
 from .ptxas import assemble
 
 
@@ -35,7 +35,7 @@ class KernelMods:
 
 
 @dataclass(frozen=True)
-class CompileKey:
+class CompileKey(StampedKey):
     source_hash: str
     has_score_mod: bool
     has_mask_mod: bool
@@ -46,13 +46,8 @@ class CompileKey:
     arch: str
     block_sparse: bool
     tile_order: bool
-    cutlass_version: str = field(default_factory=lambda: cutlass_version())
     tvm_ffi: bool = field(default_factory=lambda: tvm_ffi_available())
     kernel_source: str = field(default_factory=lambda: kernel_fingerprint())  # a kernel edit invalidates disk entries
-    dsl_settings: str = field(default_factory=lambda: dsl_settings())
-
-    def digest(self) -> str:
-        return key_digest(self)
 
     @property
     def on_disk(self) -> bool:

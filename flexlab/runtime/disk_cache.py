@@ -3,8 +3,9 @@
 The forward (`runtime.compile`) and the three backward kernels (`kernels.bwd_launch`) each key their compiled
 functions with a frozen dataclass that names everything baked into the machine code, including the cutlass version,
 the DSL settings that change code generation, and a fingerprint of the kernel source files (`source_fingerprint`),
-so editing a kernel file invalidates its entries. A key provides `digest()` (a hash of its repr, so the key class is
-part of it and different kinds of kernel never share an entry) and `on_disk` (only TVM-FFI builds can be exported).
+so editing a kernel file invalidates its entries. Every key derives from `StampedKey`, which adds the toolchain fields
+and `digest()` (a hash of the repr, so the key class is part of it and different kinds of kernel never share an
+entry); `on_disk` says whether entries may be stored (only TVM-FFI builds can be exported).
 
 On disk an entry is `<digest>.o`, the object written by `export_to_c`, plus `<digest>.sha256`, its checksum; both are
 written to a temporary name and renamed into place, checksum first, so a crash or a concurrent writer never leaves an
@@ -23,10 +24,10 @@ import tempfile
 import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, ClassVar, Iterable
 
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent  # .../flexlab
 
@@ -64,6 +65,19 @@ def dsl_settings() -> str:
 def key_digest(key: Any) -> str:
     """32 hex digits of sha256 over the key's repr: every field, and the key's class name."""
     return hashlib.sha256(repr(key).encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True, kw_only=True)
+class StampedKey:
+    """Base of every cached kernel's key: the toolchain that built it (cutlass-dsl version and the settings that change
+    its code generation), after the fields a subclass specialises on. `digest()` hashes every field and the class."""
+
+    cutlass_version: str = field(default_factory=lambda: cutlass_version())
+    dsl_settings: str = field(default_factory=lambda: dsl_settings())
+    on_disk: ClassVar[bool] = True  # whether entries may be exported and loaded back (TVM-FFI builds only)
+
+    def digest(self) -> str:
+        return key_digest(self)
 
 
 # ---------------------------------------------------------------------------------------------------- fingerprints
