@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 
 import torch
+from torch.nn.attention.flex_attention import noop_mask
 
 from ..errors import BackendUnavailableError, UnsupportedModError
 
@@ -106,20 +107,13 @@ def _lowered(score_mod, mask_mod) -> _Lowered:
     return hit
 
 
-_NOOP_MASK = []
-
-
-def _is_noop_mask(mask_mod) -> bool:
-    if mask_mod is None:
-        return True
-    if not _NOOP_MASK:  # torch's noop_mask, imported on first use (this module is imported by `import flexlab`)
-        from torch.nn.attention.flex_attention import noop_mask
-        _NOOP_MASK.append(noop_mask)
-    return mask_mod is _NOOP_MASK[0]
+def _real_mask(mask_mod):
+    """`mask_mod`, or None when it masks nothing (absent, or torch's noop_mask)."""
+    return None if mask_mod is None or mask_mod is noop_mask else mask_mod
 
 
 def _effective_mask_mod(block_mask):
-    return None if block_mask is None or _is_noop_mask(block_mask.mask_mod) else block_mask.mask_mod
+    return None if block_mask is None else _real_mask(block_mask.mask_mod)
 
 
 _DEVICE_REASON: dict = {}
@@ -157,7 +151,7 @@ def support_reason(device, dtype, head_dim: int, v_head_dim: int, score_mod, mas
         reason = _mask_reason(block_size, head_dim)
         if reason:
             return reason
-    mask_mod = None if _is_noop_mask(mask_mod) else mask_mod
+    mask_mod = _real_mask(mask_mod)
     if score_mod is not None or mask_mod is not None:
         try:
             _lowered(score_mod, mask_mod)
@@ -179,7 +173,7 @@ def kernel_mods(score_mod, mask_mod):
     """The `KernelMods` backend="cute" compiles for these mods (a noop mask counts as none), for tools that build
     or inspect kernels outside a launch (precompilation, the compile report)."""
     from ..runtime.compile import KernelMods
-    mask_mod = None if _is_noop_mask(mask_mod) else mask_mod
+    mask_mod = _real_mask(mask_mod)
     if score_mod is None and mask_mod is None:
         return KernelMods()
     return _lowered(score_mod, mask_mod).mods
@@ -187,7 +181,7 @@ def kernel_mods(score_mod, mask_mod):
 
 def captured_requires_grad(score_mod, mask_mod) -> bool:
     """Whether a tensor the mods capture requires grad (a learnable bias table, per-head slopes, ...)."""
-    mask_mod = None if _is_noop_mask(mask_mod) else mask_mod
+    mask_mod = _real_mask(mask_mod)
     if score_mod is None and mask_mod is None:
         return False
     return any(t.requires_grad for t in _lowered(score_mod, mask_mod).aux_tensors)
