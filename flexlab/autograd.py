@@ -37,23 +37,25 @@ def _backward(ctx, dout, dlse):
     q, k, v, out, lse, *rest = ctx.saved_tensors
     aux_tensors, mask_tensors = rest[:ctx.num_aux], iter(rest[ctx.num_aux:])
     block_mask = [next(mask_tensors) if present else None for present in ctx.mask_present]
-    if dout is None:  # only the LSE output was used
-        dout = torch.zeros_like(out)
-    dq, dk, dv, grads = _ops.flex_attention_bwd(
-        dout.contiguous(), q, k, v, out, lse, dlse, list(aux_tensors), block_mask, ctx.block_size, ctx.scale,
-        ctx.mods, ctx.aux_scalars, ctx.deterministic)
-    aux_grads = _captured_grads(_ops.mod_entry(ctx.mods).grad_slots, grads, aux_tensors)
+    dq, dk, dv, aux_grads = _gradients(
+        dout, out, aux_tensors, _ops.mod_entry(ctx.mods).grad_slots,
+        lambda do: _ops.flex_attention_bwd(do, q, k, v, out, lse, dlse, list(aux_tensors), block_mask, ctx.block_size,
+                                           ctx.scale, ctx.mods, ctx.aux_scalars, ctx.deterministic))
     return (dq, dk, dv, aux_grads, _no_grad_like(ctx.mask_present), _no_grad_like([False] * ctx.num_block_size),
             None, None,
             _no_grad_like([False] * len(ctx.aux_scalars)), None)
 
 
-def _captured_grads(grad_slots, grads, aux_tensors) -> list:
-    """One gradient (or None) per captured tensor, in its dtype, from the backward's list for `grad_slots`."""
-    out = [None] * len(aux_tensors)
+def _gradients(dout, out, aux_tensors, grad_slots, run_backward) -> tuple:
+    """(dq, dk, dv, one gradient or None per captured tensor in its dtype); `run_backward(dout)` is the backward op
+    (custom-op path) or its body (eager path) and returns the captured-tensor gradients listed by `grad_slots`."""
+    if dout is None:  # only the LSE output was used
+        dout = torch.zeros_like(out)
+    dq, dk, dv, grads = run_backward(dout.contiguous())
+    aux_grads = [None] * len(aux_tensors)
     for slot, g in zip(grad_slots, grads):
-        out[slot] = g.to(aux_tensors[slot].dtype)
-    return out
+        aux_grads[slot] = g.to(aux_tensors[slot].dtype)
+    return dq, dk, dv, aux_grads
 
 
 def _no_grad_like(is_tensor: list[bool]):
@@ -73,7 +75,7 @@ class EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, entry, block_mask, block_size, scale, deterministic, num_aux, *tensors):
-        aux_tensors, mask_tensors = list(tensors[:num_aux]), list(tensors[num_aux:])
+        mask_tensors = list(tensors[num_aux:])
         out, lse = _ops.attention_forward(q, k, v, entry, mask_tensors, block_size, scale, bm=block_mask)
         ctx.set_materialize_grads(False)
         ctx.entry, ctx.block_size, ctx.scale, ctx.deterministic = entry, block_size, scale, deterministic
@@ -86,12 +88,10 @@ class EagerAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, *rest = ctx.saved_tensors
         aux_tensors, mask_tensors = rest[:ctx.num_aux], list(rest[ctx.num_aux:])
-        if dout is None:  # only the LSE output was used
-            dout = torch.zeros_like(out)
-        dq, dk, dv, grads = _ops.attention_backward(
-            dout.contiguous(), q, k, v, out, lse, dlse, ctx.entry, list(aux_tensors), mask_tensors, ctx.block_size,
-            ctx.scale, ctx.aux_scalars, ctx.deterministic)
-        aux_grads = _captured_grads(ctx.entry.grad_slots, grads, aux_tensors)
+        dq, dk, dv, aux_grads = _gradients(
+            dout, out, aux_tensors, ctx.entry.grad_slots,
+            lambda do: _ops.attention_backward(do, q, k, v, out, lse, dlse, ctx.entry, list(aux_tensors), mask_tensors,
+                                               ctx.block_size, ctx.scale, ctx.aux_scalars, ctx.deterministic))
         return (dq, dk, dv, None, None, None, None, None, None, *aux_grads, *([None] * ctx.num_mask))
 
 
