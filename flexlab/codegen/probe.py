@@ -10,7 +10,6 @@ Importing this module imports cutlass; `flexlab.codegen` itself does not.
 """
 from __future__ import annotations
 
-import warnings
 
 import cutlass
 import cutlass.cute as cute
@@ -97,12 +96,9 @@ def compile_probe(gen: GeneratedMods, options: str = COMPILE_OPTIONS):
         aux = [_fake(dtype, rank) for dtype, rank in aux_meta]
         grads = [_fake(torch.float32, max(t.dim(), 1)) for t, rg in zip(gen.aux_tensors, gen.aux_requires_grad)
                  if rg]
-        with warnings.catch_warnings():
-            # An empty aux list has no runtime argument; the DSL warns about it at compile time and passes nothing.
-            warnings.filterwarnings("ignore", message=".*cannot be converted to a JitArgument.*")
-            _compiled[key] = cute.compile(_probe_host, tile_fake(), tile_fake(), tile_fake(), tile_fake(),
-                                          tile_fake(), Int32(1), aux, gen.kernel_aux_scalars(), grads, gen.module(),
-                                          options=options)
+        from ..runtime.compile import dsl_compile
+        _compiled[key] = dsl_compile(_probe_host, tile_fake(), tile_fake(), tile_fake(), tile_fake(), tile_fake(),
+                                     Int32(1), aux, gen.kernel_aux_scalars(), grads, gen.module(), options=options)
         compile_count += 1
     return _compiled[key]
 

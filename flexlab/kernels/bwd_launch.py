@@ -140,25 +140,25 @@ def _options(arch: str, extra: str) -> str:
 
 
 def compile_preprocess(dtype: str, head_dim: int, has_dlse: bool, arch: str = "sm_90a", options: str = ""):
-    import cutlass.cute as cute
+    from ..runtime.compile import dsl_compile
     from .bwd_preprocess import BwdPreprocess, fake_arguments
     require_tvm_ffi()
     dt = _cutlass_dtype(dtype)
-    return cute.compile(BwdPreprocess(dt, head_dim, has_dlse), *fake_arguments(dt, head_dim, has_dlse),
+    return dsl_compile(BwdPreprocess(dt, head_dim, has_dlse), *fake_arguments(dt, head_dim, has_dlse),
                         options=_options(arch, options))
 
 
 def compile_postprocess(dtype: str, head_dim: int, arch: str = "sm_90a", options: str = ""):
-    import cutlass.cute as cute
+    from ..runtime.compile import dsl_compile
     from .bwd_postprocess import BwdPostprocess, fake_arguments
     require_tvm_ffi()
     dt = _cutlass_dtype(dtype)
-    return cute.compile(BwdPostprocess(dt, head_dim), *fake_arguments(dt, head_dim), options=_options(arch, options))
+    return dsl_compile(BwdPostprocess(dt, head_dim), *fake_arguments(dt, head_dim), options=_options(arch, options))
 
 
 def compile_main(key: BwdKey, module=None, options: str = ""):
     """`module` is the generated CuTeDSL module (score_mod, mask_mod, score_mod_bwd, score_mod_aux_grad)."""
-    import cutlass.cute as cute
+    from ..runtime.compile import dsl_compile
     from .bwd_sm90 import FlexBwdSm90, fake_arguments
     require_tvm_ffi()
     dt = _cutlass_dtype(key.dtype)
@@ -169,7 +169,7 @@ def compile_main(key: BwdKey, module=None, options: str = ""):
                          deterministic=key.deterministic)
     args = fake_arguments(key.config, dt, key.block_sparse, key.aux_tensor_specs, key.aux_scalar_kinds,
                           key.aux_grad_ranks, key.deterministic, key.fixed_point_aux_grads)
-    return cute.compile(kernel, *args, options=_options(key.arch, options))
+    return dsl_compile(kernel, *args, options=_options(key.arch, options))
 
 
 def q_direction_tensors(block_mask: list, block_size: list, cfg: BwdConfig, seqlen_k: int) -> tuple:

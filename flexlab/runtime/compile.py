@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -105,15 +106,25 @@ def fake_arguments(key: CompileKey):
             cutlass.Int32(1), sparse, order, aux_tensors, aux_scalars, make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi))
 
 
-def _build(key: CompileKey, mods: KernelMods, extra_options: str = ""):
+def dsl_compile(fn, *args, options: str):
+    """`cute.compile`, minus two DSL warnings that say nothing about flexlab's kernels: a tuple argument is not a
+    JitArgument (captured tensors and scalars travel as tuples on purpose: traced, one runtime argument each), and a
+    static loop of many iterations may compile slowly (the per-register loops over an accumulator are unrolled on
+    purpose)."""
     import cutlass.cute as cute
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*cannot be converted to a JitArgument.*")
+        warnings.filterwarnings("ignore", message="This static loop has .* iterations")
+        return cute.compile(fn, *args, options=options)
 
+
+def _build(key: CompileKey, mods: KernelMods, extra_options: str = ""):
     from ..kernels.fwd_sm90 import FlexFwdSm90
 
     kernel = FlexFwdSm90(key.config, _cutlass_dtype(key.dtype), mods.score_mod, mods.mask_mod,
                          has_aux_tensors=bool(key.aux_tensor_specs))
     options = f"--gpu-arch {key.arch}" + (" --enable-tvm-ffi" if key.tvm_ffi else "") + extra_options
-    return cute.compile(kernel, *fake_arguments(key), options=options)
+    return dsl_compile(kernel, *fake_arguments(key), options=options)
 
 
 # ---------------------------------------------------------------------------------------------------- the cache
@@ -145,10 +156,8 @@ class CompileReport:
 def forward_ptx(key: CompileKey, mods: KernelMods = KernelMods()) -> str:
     """PTX text of the forward kernel for `key`, compiled without a GPU (TVM-FFI off: PTX, not a shared object)."""
     import dataclasses
-    import warnings
     key = dataclasses.replace(key, tvm_ffi=False)
-    with warnings.catch_warnings(), tempfile.TemporaryDirectory(prefix="flexlab-ptx-") as dump:
-        warnings.filterwarnings("ignore", message=".*cannot be converted to a JitArgument.*")
+    with tempfile.TemporaryDirectory(prefix="flexlab-ptx-") as dump:
         compiled = _build(key, mods, extra_options=f" --keep-ptx --dump-dir {dump}")
     ptx = getattr(compiled, "__ptx__", None)
     if not ptx:

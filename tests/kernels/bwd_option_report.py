@@ -15,7 +15,6 @@ import json
 import sys
 import tempfile
 import time
-import warnings
 from concurrent.futures import ProcessPoolExecutor
 
 KINDS = ("dense", "mask", "bias", "det", "det_mask")
@@ -76,7 +75,6 @@ def ptxas_report(ptx: str) -> dict:
 
 def compile_cell(job: tuple) -> dict:
     variant, head_dim, kind = job
-    warnings.filterwarnings("ignore", message=".*cannot be converted to a JitArgument.*")
     from flexlab.kernels.bwd_config import candidate_bwd_configs
     cfg = candidate_bwd_configs(head_dim)[variant]
     rec = {"variant": variant, "head_dim": head_dim, "kind": kind, "config": repr(cfg),

@@ -310,8 +310,6 @@ def run_case(case: str, problems: dict, outputs: dict) -> dict:
 
 
 def child(cases: list[str]):
-    import warnings
-    warnings.filterwarnings("ignore", message=".*cannot be converted to a JitArgument.*")
     import torch
     if torch.cuda.is_available():
         _emit("info", torch=torch.__version__, device=torch.cuda.get_device_name())

@@ -232,8 +232,6 @@ def _api():
 
 
 def child(group: str):
-    import warnings
-    warnings.filterwarnings("ignore", message=".*cannot be converted to a JitArgument.*")
     if group == "support":
         _support()
     elif group.startswith("main-"):

@@ -133,7 +133,6 @@ def _emit(kind: str, **fields):
 
 def _quiet():
     import warnings
-    warnings.filterwarnings("ignore", message=".*cannot be converted to a JitArgument.*")
     warnings.filterwarnings("ignore", category=UserWarning)
     try:
         from cutlass.base_dsl.common import DSLOptimizationWarning  # noqa: F401
@@ -263,7 +262,7 @@ def run_variant(state: RowState, v: Variant, args) -> dict:
     import torch
     from flexlab.bench import check
     from flexlab.runtime import launch
-    from flexlab.runtime.compile import forward_kernel, kernel_cache
+    from flexlab.runtime.compile import kernel_cache
     rec: dict = {"role": v.kind, "config": repr(v.config), "heads_group": v.heads_group}
     sparse = state.block_mask is not None
     hits = kernel_cache().stats.disk_hits

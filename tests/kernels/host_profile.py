@@ -14,9 +14,7 @@ import io
 import json
 import os
 import pstats
-import statistics
 import sys
-import time
 
 import torch
 

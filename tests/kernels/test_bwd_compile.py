@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import warnings
 
 import pytest
 import torch
@@ -29,13 +28,6 @@ def _assemble(compiled) -> tuple[str, dict]:
 
 def _no_spills(report):
     assert report["spill_stores"] == 0 and report["spill_loads"] == 0, report
-
-
-@pytest.fixture(autouse=True)
-def _quiet_tuple_warnings():
-    with warnings.catch_warnings():  # the DSL warns that tuples of tensors are not JitArguments; they are traced
-        warnings.filterwarnings("ignore", message=".*cannot be converted to a JitArgument.*")
-        yield
 
 
 @pytest.mark.parametrize("D", [64, 128])

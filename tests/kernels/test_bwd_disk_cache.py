@@ -19,7 +19,6 @@ import os
 import shutil
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -57,13 +56,6 @@ def signature(fn):
         return str(e)
     return "called?"
 '''
-
-
-@pytest.fixture(autouse=True)
-def _quiet_tuple_warnings():
-    with warnings.catch_warnings():  # the DSL warns that tuples of tensors are not JitArguments; they are traced
-        warnings.filterwarnings("ignore", message=".*cannot be converted to a JitArgument.*")
-        yield
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import re
 import shutil
-import warnings
 from types import SimpleNamespace
 from unittest import mock
 
@@ -28,13 +27,6 @@ from flexlab.kernels import bwd_launch  # noqa: E402
 
 _TORCH_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
                  torch.int32: "int32", torch.int64: "int64", torch.uint8: "uint8", torch.int8: "int8"}
-
-
-@pytest.fixture(autouse=True)
-def _quiet_tuple_warnings():
-    with warnings.catch_warnings():  # the DSL warns that tuples of tensors are not JitArguments; they are traced
-        warnings.filterwarnings("ignore", message=".*cannot be converted to a JitArgument.*")
-        yield
 
 
 # ---------------------------------------------------------------------------------------------- TVM-FFI signatures

@@ -8,20 +8,12 @@ from __future__ import annotations
 
 import re
 import shutil
-import warnings
 
 import pytest
 import torch
 
 cutlass = pytest.importorskip("cutlass")
 needs_ptxas = pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs ptxas (CUDA toolkit) on PATH")
-
-
-@pytest.fixture(autouse=True)
-def _quiet_tuple_warnings():
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*cannot be converted to a JitArgument.*")
-        yield
 
 
 def test_default_has_every_option_off_and_candidates_fit():

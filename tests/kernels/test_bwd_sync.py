@@ -13,7 +13,6 @@ varying. The forward kernel, which runs correctly on the H200, must pass the sam
 from __future__ import annotations
 
 import re
-import warnings
 
 import pytest
 
@@ -210,13 +209,6 @@ def _mbarrier_init_counts(ptx: str) -> set[int]:
 
 def _named_barriers(ptx: str) -> set[tuple[str, int]]:
     return {(i, int(n)) for i, n in re.findall(r"\bbar\.sync\s+(%?\w+),\s*(\d+);", ptx)}
-
-
-@pytest.fixture(autouse=True)
-def _quiet_tuple_warnings():
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*cannot be converted to a JitArgument.*")
-        yield
 
 
 def test_divergence_check_flags_a_one_lane_elect():
