@@ -67,9 +67,6 @@ class FwdConfig:
     exp2_poly: int = 0  # of every 8 scores of a row fragment, how many take exp2 as an FMA polynomial, not MUFU
     rescale_before_pv: bool = False  # rescale O by the previous row scale while QK runs (FA4 does it for D>128)
     early_block_index: bool = False  # read the next KV block index before waiting on its K (block-sparse)
-    # >0: a row keeps its running max until a block raises it by more than 2**this (probabilities then reach at most
-    # that factor, harmless in fp32 sums and 16-bit P), and a warp skips the O rescale when none of its rows moved.
-    rescale_threshold: float = 0.0
     # Debug only, never set by the public API: stages removed for timing (names in ABLATIONS; results are wrong).
     ablate: tuple[str, ...] = ()
 
@@ -131,10 +128,6 @@ class FwdConfig:
             return f"unknown ablation(s) {unknown}; known: {sorted(ABLATIONS)}"
         if self.persistent_ctas < 0:
             return f"persistent_ctas={self.persistent_ctas} must be 0 (off) or a CTA count"
-        if not 0.0 <= self.rescale_threshold <= 16.0:
-            return f"rescale_threshold={self.rescale_threshold} must be in [0, 16] (log2 of the largest probability)"
-        if self.rescale_threshold and self.rescale_before_pv:
-            return "rescale_threshold and rescale_before_pv are exclusive (the early rescale cannot be skipped)"
         if not 0 <= self.exp2_poly <= 8:
             return f"exp2_poly={self.exp2_poly} must be in [0, 8] (scores per 8 computed on the FMA pipe)"
         if self.smem_bytes() > SMEM_BYTES_SM90:

@@ -42,7 +42,7 @@ from .layout import as_operand_a, bshd_view, convert_to_16bit, rows_view, tma_ti
 from .mask import apply_mask_mod, mask_kv_tail
 from .named_barrier import FwdBarrier
 from .score_mod import apply_score_mod
-from .softmax import OnlineSoftmax, rescale_rows, rescale_rows_if_moved
+from .softmax import OnlineSoftmax, rescale_rows
 from .tile_scheduler import current_tile, tile_coords
 
 LOG2_E = math.log2(math.e)
@@ -290,8 +290,7 @@ class FlexFwdSm90:
         s_shape = wg_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
         coords = thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
         num_rows = cute.size(rows_view(acc_O), mode=[0])
-        softmax = OnlineSoftmax(log2_scale, num_rows, self.cfg.exp2_poly, not self.ablated("exp2"),
-                                self.cfg.rescale_threshold)
+        softmax = OnlineSoftmax(log2_scale, num_rows, self.cfg.exp2_poly, not self.ablated("exp2"))
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
 
         if cutlass.const_expr(self.pingpong):
@@ -419,10 +418,7 @@ class FlexFwdSm90:
         pipe_v.consumer_release(prev)
         convert_to_16bit(as_operand_a(acc_S), tOrP)
         if cutlass.const_expr(with_softmax and not self.cfg.rescale_before_pv):
-            if cutlass.const_expr(self.cfg.rescale_threshold > 0.0):
-                rescale_rows_if_moved(acc_O, row_scale)
-            else:
-                rescale_rows(acc_O, row_scale)
+            rescale_rows(acc_O, row_scale)
         return state
 
     @cute.jit

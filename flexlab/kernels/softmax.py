@@ -33,17 +33,14 @@ class OnlineSoftmax(Carried):
 
     _FIELDS = ("log2_scale", "row_max", "row_sum")
 
-    def __init__(self, log2_scale: Float32, num_rows: int, exp2_poly: int = 0, exp2: bool = True,
-                 rescale_threshold: float = 0.0):
+    def __init__(self, log2_scale: Float32, num_rows: int, exp2_poly: int = 0, exp2: bool = True):
         """`exp2_poly`: of every 8 scores of a row fragment, how many use `exp2_fma` instead of MUFU; `exp2=False`
-        drops the exponential altogether (a timing ablation: probabilities are then wrong); `rescale_threshold` > 0:
-        keep a row's max while new blocks exceed it by at most 2**threshold, so its row scale stays exactly 1."""
+        drops the exponential altogether (a timing ablation: probabilities are then wrong)."""
         self.log2_scale = log2_scale
         self.row_max = cute.make_rmem_tensor(num_rows, Float32)
         self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
         self.exp2_poly = exp2_poly  # trace-time constants, not carried as IR values
         self.exp2 = exp2
-        self.rescale_threshold = rescale_threshold
 
     @cute.jit
     def reset(self):
@@ -59,11 +56,6 @@ class OnlineSoftmax(Carried):
             m_blk = row_max_ilp(s_rows[r, None])
             m_prev = self.row_max[r]
             m_new = cute.arch.fmax(m_prev, cute.arch.warp_reduction_max(m_blk, threads_in_group=4))
-            if cutlass.const_expr(self.rescale_threshold > 0.0):
-                # A stale max is kept while it is within the threshold; the first finite max always replaces -inf
-                # (the difference is +inf), and an all-masked row (-inf - -inf = NaN) keeps -inf.
-                grown = (m_new - m_prev) * self.log2_scale > Float32(self.rescale_threshold)
-                m_new = m_new if grown else m_prev
             self.row_max[r] = m_new
             # A row masked so far has m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
             m_safe = Float32(0.0) if m_new == -Float32.inf else m_new
@@ -76,8 +68,6 @@ class OnlineSoftmax(Carried):
                 s_rows[r, None].store(row * self.log2_scale - shift)
                 exp2_mixed(s_rows[r, None], self.exp2_poly)
             scale = cute.math.exp2((m_prev - m_safe) * self.log2_scale, fastmath=True)
-            if cutlass.const_expr(self.rescale_threshold > 0.0):
-                scale = Float32(1.0) if m_new == m_prev else scale  # exactly 1, whatever ex2.approx(0) rounds to
             row_scale[r] = scale
             self.row_sum[r] = row_sum_ilp(s_rows[r, None], self.row_sum[r] * scale)
 
@@ -163,16 +153,3 @@ def rescale_rows(acc_o: cute.Tensor, row_scale: cute.Tensor):
     o_rows = rows_view(acc_o)
     for r in cutlass.range_constexpr(cute.size(row_scale)):
         o_rows[r, None].store(o_rows[r, None].load() * row_scale[r])
-
-
-@cute.jit
-def rescale_rows_if_moved(acc_o: cute.Tensor, row_scale: cute.Tensor):
-    """`rescale_rows`, skipped by the whole warp when none of its rows changed its max (every scale exactly 1;
-    scales never exceed 1), so a warp-uniform branch saves the multiplies without divergence."""
-    smallest = row_scale[0]
-    for r in cutlass.range_constexpr(1, cute.size(row_scale)):
-        smallest = cute.arch.fmin(smallest, row_scale[r])
-    if cute.arch.vote_any_sync(smallest < Float32(1.0)):
-        rescale_rows(acc_o, row_scale)
-
-

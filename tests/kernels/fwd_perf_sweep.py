@@ -113,9 +113,7 @@ def variants_for(row, base, num_sms: int) -> list[Variant]:
     cand += [Variant("exp2_poly2", "candidate", rep(base, exp2_poly=2), "2 of 8 exponentials on the FMA pipe"),
              Variant("exp2_poly4", "candidate", rep(base, exp2_poly=4), "4 of 8 exponentials on the FMA pipe"),
              Variant("rescale_before_pv", "candidate", rep(base, rescale_before_pv=True),
-                     "O rescaled while the QK GEMM runs"),
-             Variant("lazy_rescale8", "candidate", rep(base, rescale_threshold=8.0),
-                     "row max kept until it grows by 2^8; a warp skips the O rescale when no row moved")]
+                     "O rescaled while the QK GEMM runs")]
     if has_mask:
         cand.append(Variant("early_block_index", "candidate", rep(base, early_block_index=True),
                             "KV block index read before the K wait"))

@@ -61,15 +61,6 @@ def test_all_options_together(D, kind):
     assert ptx.count("ex2.approx") > ptx.count("add.rm.ftz.f32")
 
 
-@pytest.mark.parametrize("D,kind", [(128, "dense"), (64, "causal")])
-def test_lazy_rescale_votes_per_warp(D, kind):
-    cfg = dataclasses.replace(default_config(D, kind != "dense", False), rescale_threshold=8.0)
-    ptx, report = _compile(cfg, kind)
-    _sound(ptx, report)
-    assert "vote.sync.any.pred" in ptx  # the warp-uniform skip of the O rescale
-    assert "rescale_before_pv" in dataclasses.replace(cfg, rescale_before_pv=True).feasibility_error()
-
-
 def test_three_stages_persistent_reuses_q_for_o():
     cfg = dataclasses.replace(default_config(128, True, True), num_stages=3, persistent_ctas=132)
     assert not cfg.separate_o
