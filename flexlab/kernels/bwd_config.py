@@ -132,6 +132,7 @@ def candidate_bwd_configs(head_dim: int) -> dict[str, BwdConfig]:
         "dk_after_dq": replace(base, dk_after_dq=True),
         "kv_tiles_first": replace(base, kv_tiles_first=True),
         "stages3": replace(base, num_stages=3),
+        "kv_first_smem_stats": replace(base, kv_tiles_first=True, stats_in_smem=True),
     }
     combined = replace(base, stats_in_smem=True, dk_after_dq=True, kv_tiles_first=True)
     if head_dim == 64:

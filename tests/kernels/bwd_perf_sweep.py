@@ -238,6 +238,19 @@ def _kernel_times(fn, iters: int = 5) -> dict:
     return parts
 
 
+def swap_config(bwd_launch, cfg) -> None:
+    """Make the launcher run `cfg` for every head dim. `_config` itself is replaced: it memoises per head dim, so
+    patching what it calls would leave every later case of one child on the first case's configuration."""
+    bwd_launch._config = lambda head_dim: cfg.validate()
+
+
+def config_applied(bwd_launch, cfg, deterministic: bool) -> bool:
+    """Whether the launcher compiled (or reused) kernels for exactly `cfg`: its warm-kernel dict is keyed by
+    (mods hash, dtype, config, sparse, has_dlse, deterministic, arch). Guards the sweep against measuring the
+    default kernel under another configuration's name."""
+    return any(key[2] == cfg and key[5] == deterministic for key in bwd_launch._KERNELS)
+
+
 def run_case(case: str, problems: dict, outputs: dict) -> dict:
     if case.startswith("selftest/"):  # the watchdog's own test, no GPU: one configuration hangs
         if case.startswith("selftest/hang"):
@@ -265,11 +278,13 @@ def run_case(case: str, problems: dict, outputs: dict) -> dict:
         rec["prepare_s"] = time.perf_counter() - t
     p = problems[row]
     rec["density"] = p.density
-    bwd_launch.default_bwd_config = lambda head_dim: cfg  # the launcher's choice, swapped for the candidate
+    swap_config(bwd_launch, cfg)
     t = time.perf_counter()
     grads = p.backward(det)  # compiles on first use
     torch.cuda.synchronize()
     rec["first_call_s"] = time.perf_counter() - t
+    if not config_applied(bwd_launch, cfg, det):
+        raise RuntimeError(f"{case}: the launcher did not run the candidate configuration {cfg!r}")
     _emit("progress", what=f"{case}: compiled and ran once")
 
     errs, nan = {}, False
