@@ -334,7 +334,7 @@ def test_each_configuration_gets_its_own_kernels(monkeypatch, fresh_cache):
     import dataclasses
     keys = _recorded_keys(monkeypatch)
     base = bwd_launch._config(128)
-    other = dataclasses.replace(base, kv_tiles_first=True)
+    other = dataclasses.replace(base, kv_tiles_first=not base.kv_tiles_first)
     a = bwd_launch._kernels(None, (), (), torch.bfloat16, base, False, False, False, "sm_90a")
     b = bwd_launch._kernels(None, (), (), torch.bfloat16, other, False, False, False, "sm_90a")
     assert a is not b and a.main is not b.main

@@ -1,5 +1,6 @@
 """The backward's speed options (BwdConfig booleans, tile_m=128 at D=64, 3 stages) compile for sm_90a without
-spills and keep the synchronisation checks of test_bwd_sync; the default configuration has every option off.
+spills and keep the synchronisation checks of test_bwd_sync, each turned away from the default (which has
+stats_in_smem and kv_tiles_first on).
 
 A few compiles per option (the full matrix is tests/kernels/bwd_option_report.py); which option is faster, and
 whether its gradients are right, is decided on the H200 by tests/kernels/bwd_perf_sweep.py.
@@ -16,20 +17,21 @@ cutlass = pytest.importorskip("cutlass")
 needs_ptxas = pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs ptxas (CUDA toolkit) on PATH")
 
 
-def test_default_has_every_option_off_and_candidates_fit():
+def test_default_options_and_candidates_fit():
     from flexlab.kernels.bwd_config import BwdConfig, candidate_bwd_configs, default_bwd_config
     for D in (64, 128):
         cfg = default_bwd_config(D)
         assert cfg == BwdConfig(head_dim=D, tile_m=64, tile_n=128, num_stages=2)
-        assert not (cfg.stats_in_smem or cfg.dk_after_dq or cfg.kv_tiles_first or cfg.dq_split_rows)
+        assert cfg.stats_in_smem and cfg.kv_tiles_first and not (cfg.dk_after_dq or cfg.dq_split_rows)
         cands = candidate_bwd_configs(D)
         assert next(iter(cands)) == "default" and cands["default"] == cfg
         for name, c in cands.items():
             assert c.feasibility_error() is None, name
             assert c.block_mask_error(128, 128) is None, name  # one BlockMask at torch's default size serves them
     assert "tile_m must be 128" in BwdConfig(head_dim=64, dq_split_rows=True).feasibility_error()
-    # The struct's size: 1 KiB of mbarriers (+ LSE2/D rows) then six 32 KiB tiles at D=128.
-    assert default_bwd_config(128).smem_bytes() == 1024 + 6 * 32768
+    # The struct's size: 1 KiB of mbarriers (2 KiB with the LSE2/D rows) then six 32 KiB tiles at D=128.
+    assert default_bwd_config(128).smem_bytes() == 2048 + 6 * 32768
+    assert BwdConfig(head_dim=128, stats_in_smem=False).smem_bytes() == 1024 + 6 * 32768
     assert BwdConfig(head_dim=128, num_stages=3, stats_in_smem=True).smem_bytes() == 2048 + 7 * 32768
     assert "shared memory" in BwdConfig(head_dim=64, tile_m=128, num_stages=3,
                                         stats_in_smem=True).feasibility_error()
@@ -66,11 +68,12 @@ def _no_spills(report):
 
 
 CELLS = [  # (name, head dim, options, kernel flavour): each option in a few flavours, and the combinations
-    ("stats_in_smem-dense", 128, dict(stats_in_smem=True), "dense"),
-    ("stats_in_smem-mask-d64", 64, dict(stats_in_smem=True), "mask"),
+    ("stats_from_global-dense", 128, dict(stats_in_smem=False), "dense"),
+    ("stats_from_global-mask-d64", 64, dict(stats_in_smem=False), "mask"),
     ("dk_after_dq-mask", 128, dict(dk_after_dq=True), "mask"),
     ("dk_after_dq-bias-d64", 64, dict(dk_after_dq=True), "bias"),
-    ("kv_tiles_first-det", 128, dict(kv_tiles_first=True), "det"),
+    ("heads_first-det", 128, dict(kv_tiles_first=False), "det"),
+    ("neither-mask", 128, dict(stats_in_smem=False, kv_tiles_first=False), "mask"),
     ("tile_m128-dq_rows-mask", 64, dict(tile_m=128, dq_split_rows=True), "mask"),
     # With a score_mod, 128-row tiles at D=64 spill (~150 B; 120 B with stats_in_smem) unless combined with the
     # other options (bwd_option_report.py has the whole matrix)

@@ -32,7 +32,7 @@ def test_swap_reaches_the_kernel_lookup_after_a_memoised_default(monkeypatch):
     monkeypatch.setattr(bwd_launch, "_config", bwd_launch._config)  # restored after the test
     default = default_bwd_config(128)
     assert _config_the_launcher_asks_for(monkeypatch) == default  # memoises the default for D=128
-    candidate = dataclasses.replace(default, kv_tiles_first=True)
+    candidate = dataclasses.replace(default, kv_tiles_first=not default.kv_tiles_first)
     assert candidate != default
     bwd_perf_sweep.swap_config(bwd_launch, candidate)
     assert _config_the_launcher_asks_for(monkeypatch) == candidate
@@ -40,7 +40,7 @@ def test_swap_reaches_the_kernel_lookup_after_a_memoised_default(monkeypatch):
 
 def test_config_applied_reads_the_warm_kernel_keys(monkeypatch):
     default = default_bwd_config(64)
-    other = dataclasses.replace(default, stats_in_smem=True)
+    other = dataclasses.replace(default, stats_in_smem=not default.stats_in_smem)
     monkeypatch.setattr(bwd_launch, "_KERNELS", {("", torch.bfloat16, default, False, False, False, "sm_90a"): None})
     assert bwd_perf_sweep.config_applied(bwd_launch, default, deterministic=False)
     assert not bwd_perf_sweep.config_applied(bwd_launch, default, deterministic=True)

@@ -271,7 +271,8 @@ def test_backward_synchronisation_matches_the_config(D, block_sparse, determinis
     assert divergent_collectives(ptx) == []
     # TMA delivers whole boxes even past the sequence ends: K+V once, Q+dO per stage.
     kv_bytes = 2 * cfg.tile_n * cfg.head_dim * cfg.dtype_bytes
-    qdo_bytes = 2 * cfg.tile_m * cfg.head_dim * cfg.dtype_bytes
+    stats_bytes = 2 * cfg.tile_m * 4 if cfg.stats_in_smem else 0  # LSE2 and D rows land with Q and dO
+    qdo_bytes = 2 * cfg.tile_m * cfg.head_dim * cfg.dtype_bytes + stats_bytes
     assert _expect_tx_bytes(ptx) == {kv_bytes, qdo_bytes}
     # full barriers: the one producer thread; empty barriers: one arrive per consumer warp.
     assert _mbarrier_init_counts(ptx) == {1, cfg.num_consumer_wgs * 4}
@@ -328,5 +329,6 @@ def test_backward_with_mods_keeps_its_synchronisation(D):
                  tuple(t.dim() for t, rg in zip(aux, g.aux_requires_grad) if rg), "bfloat16", cfg, True)
     ptx = compile_main(key, g.module(), options=" --keep-ptx").__ptx__
     assert divergent_collectives(ptx) == []
-    assert _expect_tx_bytes(ptx) == {2 * cfg.tile_n * cfg.head_dim * 2, 2 * cfg.tile_m * cfg.head_dim * 2}
+    stats_bytes = 2 * cfg.tile_m * 4 if cfg.stats_in_smem else 0
+    assert _expect_tx_bytes(ptx) == {2 * cfg.tile_n * cfg.head_dim * 2, 2 * cfg.tile_m * cfg.head_dim * 2 + stats_bytes}
     assert _mbarrier_init_counts(ptx) == {1, 4 * cfg.num_consumer_wgs}
