@@ -7,7 +7,7 @@ default BLOCK_SIZE=128 serves both passes for every supported head dim (`shares_
 
 The boolean fields are speed options; each setting is a separate compiled kernel, and
 `tests/kernels/bwd_perf_sweep.py` times and checks every candidate against the default on the H200. The default turns
-on `stats_in_smem` and `kv_tiles_first`: together they made the main kernel 1.20-1.66x faster on every swept row
+on `stats_in_smem` and (outside deterministic mode) `kv_tiles_first`: together they made the main kernel 1.20-1.66x faster on every swept row
 (D=64 and 128, dense, causal, sliding window, soft-cap; benchmarks/results/bwd_sweep_h200_2026-11-30.json), more than
 either alone; `dk_after_dq` made it slower on 8 of 9 rows and `tile_m=128` at D=64 on all of them:
 
@@ -112,9 +112,12 @@ class BwdConfig:
         return None
 
 
-def default_bwd_config(head_dim: int) -> BwdConfig:
-    """The configuration the launcher runs (the dataclass defaults: see the module docstring for why)."""
-    return BwdConfig(head_dim=head_dim)
+def default_bwd_config(head_dim: int, deterministic: bool = False) -> BwdConfig:
+    """The configuration the launcher runs: the dataclass defaults (see the module docstring for why), except that
+    deterministic mode keeps the heads-first CTA order. There each KV tile waits for the lower KV tiles of its head to
+    add their dQ partials first, and running a head's KV tiles side by side turns that into a chain: 2-10x slower
+    than heads first on the sliding-window and document rows (benchmarks/results/bwd_all_h200_2026-11-30b.json)."""
+    return BwdConfig(head_dim=head_dim, kv_tiles_first=not deterministic)
 
 
 def shares_block_mask_with_forward(head_dim: int, block_size: int = 128) -> bool:
@@ -126,18 +129,22 @@ def shares_block_mask_with_forward(head_dim: int, block_size: int = 128) -> bool
             and bwd.block_mask_error(block_size, block_size) is None)
 
 
-def candidate_bwd_configs(head_dim: int) -> dict[str, BwdConfig]:
-    """Named configurations the GPU sweep (`tests/kernels/bwd_perf_sweep.py`) compares with the default: each default
-    option turned off, each other option turned on, then together. All are feasible; the launcher runs `default`."""
-    base = default_bwd_config(head_dim)
+def candidate_bwd_configs(head_dim: int, deterministic: bool = False) -> dict[str, BwdConfig]:
+    """Named configurations the GPU sweep (`tests/kernels/bwd_perf_sweep.py`) compares with the default of that mode:
+    the other CTA order, LSE2/D from global memory, each further option on, then together. All are feasible; the
+    launcher runs `default`."""
+    base = default_bwd_config(head_dim, deterministic)
+    other_order = "heads_first" if base.kv_tiles_first else "kv_tiles_first"
     cands = {
         "default": base,
+        other_order: replace(base, kv_tiles_first=not base.kv_tiles_first),
         "stats_from_global": replace(base, stats_in_smem=False),
-        "heads_first": replace(base, kv_tiles_first=False),
         "neither": replace(base, stats_in_smem=False, kv_tiles_first=False),  # the default before 2026-11-30
         "dk_after_dq": replace(base, dk_after_dq=True),
         "stages3": replace(base, num_stages=3),
     }
+    if deterministic:  # `neither` is then the other order with global stats: not a new question
+        del cands["neither"]
     if head_dim == 64:
         cands["tile_m128"] = replace(base, tile_m=128)
         cands["tile_m128_dq_rows"] = replace(base, tile_m=128, dq_split_rows=True)

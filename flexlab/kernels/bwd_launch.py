@@ -242,9 +242,9 @@ def visit_ranks(sparse: tuple, num_m_tiles: int) -> torch.Tensor:
 
 
 @lru_cache(maxsize=None)
-def _config(head_dim: int) -> BwdConfig:
+def _config(head_dim: int, deterministic: bool) -> BwdConfig:
     try:
-        return default_bwd_config(head_dim).validate()
+        return default_bwd_config(head_dim, deterministic).validate()
     except ValueError as e:
         raise BackendUnavailableError(f"backend='cute' backward: {e}") from None
 
@@ -302,7 +302,8 @@ def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, bloc
         raise BackendUnavailableError(f"backend='cute' backward supports bfloat16/float16, got {q.dtype}")
     B, Hq, Sq, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
-    cfg = _config(D)
+    deterministic = bool(deterministic)
+    cfg = _config(D, deterministic)
     dev = q.device
     g = entry.generated
     kernel_aux = tuple(g.kernel_aux_tensors()) if g is not None else ()  # row-major, as bwd_sm90 compiled them
@@ -315,7 +316,6 @@ def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, bloc
     if block_mask:
         masks = _cached_q_direction(block_mask, block_size, cfg, Skv)
         pad = math.lcm(cfg.tile_m, int(block_size[0]))  # listed Q tiles may run past Sq up to a mask block
-    deterministic = bool(deterministic)
     kernels = _kernels(g, entry.grad_slots, kernel_aux, q.dtype, cfg, masks is not None, dlse is not None,
                        deterministic, arch)
 

@@ -33,7 +33,19 @@ def _run(Sq, Skv, D, Hkv, score_mod=None, bm=None, trainable=(), with_lse=False,
         assert t.grad is not None and not torch.isnan(t.grad).any()
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="default",
+                    help="a name from bwd_config.candidate_bwd_configs (run for every head dim and both modes), to "
+                         "tell which option a sanitizer report comes with")
+    ap.add_argument("--no-gallery", action="store_true", help="only the dense, GQA and causal-window cases")
+    args = ap.parse_args(argv)
+    if args.config != "default":
+        from flexlab.kernels import bwd_launch
+        from flexlab.kernels.bwd_config import candidate_bwd_configs
+        bwd_launch._config = lambda head_dim, deterministic: candidate_bwd_configs(head_dim,
+                                                                                  deterministic)[args.config]
     for D in (64, 128):
         _run(200, 333, D, 2)
         _run(333, 200, D, 4, with_lse=True)
@@ -44,6 +56,8 @@ def main() -> int:
         _run(300, 300, D, 2, bm=bm)
         _run(300, 300, D, 2, bm=bm, deterministic=True)
         print(f"ran dense/GQA/causal-window D={D}", flush=True)
+    if args.no_gallery:
+        return 0
     for name, variant in sorted(load_gallery().items()):
         S = next((s for s in (200, 256, 333) if variant.accepts_lengths(s, s)), None)
         if S is None:

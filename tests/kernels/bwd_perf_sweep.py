@@ -4,9 +4,9 @@ check each one's gradients, in one command:
     python tests/kernels/bwd_perf_sweep.py OUT.json --budget 480
 
 Rows (bf16, H=16, MHA): D=128 dense and causal at B4·S4k and B1·S16k, D=64 dense and causal at B1·S16k, sliding
-window 1024 at B4·S4k, a tanh soft-cap score_mod at B2·S2k (D=128 and 64); plus deterministic mode (default and
-`combined`) on the D=128 B4·S4k rows and D=64 causal. Columns: the named configurations of
-`bwd_config.candidate_bwd_configs(D)` (`default` first). For each (row, configuration):
+window 1024 at B4·S4k, a tanh soft-cap score_mod at B2·S2k (D=128 and 64); plus deterministic mode (its default,
+the other CTA order, LSE2/D from global memory) on the D=128 B4·S4k rows, sliding window and D=64 causal. Columns:
+the named configurations of `bwd_config.candidate_bwd_configs(D, deterministic)` (`default` first). For each (row, configuration):
 
   * the backward exactly as the launcher runs it (`bwd_launch.backward`: preprocess, main kernel, postprocess), with
     the launcher's configuration swapped for the candidate. O and LSE come from a float64 forward, so no forward
@@ -68,8 +68,8 @@ SCORE_MOD_ROWS = [
     ("d64-softcap-B2-S2k", 64, 2, 2048, "softcap"),
 ]
 HEADS = 16
-DETERMINISTIC_ROWS = ("d128-dense-B4-S4k", "d128-causal-B4-S4k", "d64-causal-B1-S16k")
-DETERMINISTIC_VARIANTS = ("default", "combined")
+DETERMINISTIC_ROWS = ("d128-dense-B4-S4k", "d128-causal-B4-S4k", "d64-causal-B1-S16k", "d128-sliding1024-B4-S4k")
+DETERMINISTIC_VARIANTS = ("default", "kv_tiles_first", "stats_from_global")  # of candidate_bwd_configs(D, True)
 
 
 def case_list() -> list[str]:
@@ -241,7 +241,7 @@ def _kernel_times(fn, iters: int = 5) -> dict:
 def swap_config(bwd_launch, cfg) -> None:
     """Make the launcher run `cfg` for every head dim. `_config` itself is replaced: it memoises per head dim, so
     patching what it calls would leave every later case of one child on the first case's configuration."""
-    bwd_launch._config = lambda head_dim: cfg.validate()
+    bwd_launch._config = lambda head_dim, deterministic: cfg.validate()
 
 
 def config_applied(bwd_launch, cfg, deterministic: bool) -> bool:
@@ -266,7 +266,7 @@ def run_case(case: str, problems: dict, outputs: dict) -> dict:
     det = "det" in flags
     spec = next(r for r in ROWS + SCORE_MOD_ROWS if r[0] == row)
     name, D, B, S, kind = spec
-    cfg = candidate_bwd_configs(D)[variant]
+    cfg = candidate_bwd_configs(D, det)[variant]
     rec = {"case": case, "row": row, "variant": variant, "deterministic": det, "config": repr(cfg),
            "shape": {"B": B, "H": HEADS, "S": S, "D": D}, "mask": kind}
     if row not in problems:

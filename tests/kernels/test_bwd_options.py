@@ -23,6 +23,10 @@ def test_default_options_and_candidates_fit():
         cfg = default_bwd_config(D)
         assert cfg == BwdConfig(head_dim=D, tile_m=64, tile_n=128, num_stages=2)
         assert cfg.stats_in_smem and cfg.kv_tiles_first and not (cfg.dk_after_dq or cfg.dq_split_rows)
+        det = default_bwd_config(D, deterministic=True)  # the fixed-order dQ reduction wants heads first
+        assert det.stats_in_smem and not det.kv_tiles_first
+        det_cands = candidate_bwd_configs(D, deterministic=True)
+        assert det_cands["default"] == det and det_cands["kv_tiles_first"].kv_tiles_first
         cands = candidate_bwd_configs(D)
         assert next(iter(cands)) == "default" and cands["default"] == cfg
         for name, c in cands.items():
@@ -171,6 +175,13 @@ def test_sweep_lists_every_candidate_and_reports_a_hang(tmp_path):
     for name, D, *_ in ROWS + SCORE_MOD_ROWS:
         mine = [c for c in cases if c.startswith(name + "/") and not c.endswith("/det")]
         assert mine[0] == f"{name}/default" and len(mine) == len(candidate_bwd_configs(D))
+    from bwd_perf_sweep import DETERMINISTIC_ROWS, DETERMINISTIC_VARIANTS
+    det_cases = [c for c in cases if c.endswith("/det")]
+    assert len(det_cases) == len(DETERMINISTIC_ROWS) * len(DETERMINISTIC_VARIANTS)
+    for c in det_cases:
+        row, variant, _ = c.split("/")
+        D = next(r[1] for r in ROWS if r[0] == row)
+        assert variant in candidate_bwd_configs(D, deterministic=True), c
     script = Path(__file__).with_name("bwd_perf_sweep.py")
     out = tmp_path / "sweep.json"
     res = subprocess.run([sys.executable, str(script), str(out), "--selftest", "--case-timeout", "3"],
