@@ -84,6 +84,16 @@ class GeneratedMods:
         return root is not None and not (self._graph.nodes[root].op == "input")
 
     @property
+    def score_grad_is_identity(self) -> bool:
+        """True when d(score_mod)/d(score) is 1 everywhere (an additive bias such as ALiBi): the backward then uses
+        dS as it is, and need not keep the pre-mod scores."""
+        d = self._deriv.d_score
+        if d is None or not self.has_score_mod:
+            return False
+        node = self._graph.nodes[d]
+        return node.op == "input" and node.attr[0] == "grad"
+
+    @property
     def has_mask_mod(self) -> bool:
         """False when there is no mask_mod or it keeps every position."""
         root = self._traced.mask_root

@@ -68,6 +68,7 @@ class BwdKey(_BwdStamp):
     arch: str = "sm_90a"
     fixed_point_aux_grads: bool = False  # int64 fixed-point captured-tensor grads (deterministic mode)
     generated_source: str = ""  # `GeneratedMods.source_hash`: the disk cache must not outlive a code-generator edit
+    score_grad_identity: bool = False  # d(score_mod)/d(score) == 1: the kernel skips score_mod_bwd
 
 
 @dataclass(frozen=True)
@@ -163,7 +164,8 @@ def compile_main(key: BwdKey, module=None, options: str = ""):
     require_tvm_ffi()
     dt = _cutlass_dtype(key.dtype)
     score_mod = module.score_mod if key.has_score_mod else None
-    kernel = FlexBwdSm90(key.config, dt, score_mod, module.score_mod_bwd if key.has_score_mod else None,
+    score_mod_bwd = module.score_mod_bwd if key.has_score_mod and not key.score_grad_identity else None
+    kernel = FlexBwdSm90(key.config, dt, score_mod, score_mod_bwd,
                          module.score_mod_aux_grad if key.has_aux_grad else None,
                          module.mask_mod if key.has_mask_mod else None, has_aux_tensors=bool(key.aux_tensor_specs),
                          deterministic=key.deterministic)
@@ -283,7 +285,8 @@ def _kernels(g, grad_slots, kernel_aux, dtype: torch.dtype, cfg: BwdConfig, spar
                  tuple((str(t.dtype).removeprefix("torch."), t.dim()) for t in kernel_aux),
                  tuple("float" if kind == "float" else "int" for kind in (g.aux_scalar_kinds if g else ())),
                  tuple(kernel_aux[i].dim() for i in grad_slots), name, cfg, sparse, deterministic, arch,
-                 fixed_point, g.source_hash if g is not None else "")
+                 fixed_point, g.source_hash if g is not None else "",
+                 bool(g is not None and g.has_score_mod and g.score_grad_is_identity))
     hit = Kernels(preprocess_kernel(name, D, has_dlse, arch), main_kernel(key, g), postprocess_kernel(name, D, arch),
                   torch.int64 if fixed_point else torch.float32)
     _KERNELS[fast] = hit

@@ -87,10 +87,13 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         # made the dS store's swizzled base address spill at D=128 (one reload per step); it is rebuilt in every
         # step from the thread index instead (a few integer instructions).
         self.rebuild_ds_store = self.stats_in_smem or self.dk_after_dq
-        # Lean register plan (a score_mod at D=128, or at D=64 with 128-row query tiles): fp32 dK+dV (head_dim per
-        # thread), S, dP and the pre-mod scores (tile_m / 2 each) do not fit in 240 registers together, so dP^T is
-        # computed only after P is formed, and P is kept in 16 bits from then on.
-        self.lean = score_mod is not None and self.head_dim + self.tile_m > 128
+        # Lean register plan (a score_mod with a derivative to apply at D=128, or at D=64 with 128-row query tiles):
+        # fp32 dK+dV (head_dim per thread), S, dP and the pre-mod scores (tile_m / 2 each) do not fit in 240
+        # registers together, so dP^T is computed only after P is formed, and P is kept in 16 bits from then on.
+        # A score_mod whose derivative is 1 (an additive bias without learnable tensors) comes with no score_mod_bwd
+        # and no aux_grad: dS is used as it is and the pre-mod scores are never kept, so the full plan fits.
+        self.needs_raw_scores = score_mod_bwd is not None or aux_grad is not None
+        self.lean = self.needs_raw_scores and self.head_dim + self.tile_m > 128
 
     def stats_bytes(self) -> int:
         """Bytes of LSE2 and D rows that land with each Q/dO stage (0 unless stats_in_smem)."""

@@ -67,8 +67,9 @@ class BwdStep:
 
         raw = None
         if cutlass.const_expr(self.score_mod is not None):
-            raw = cute.make_rmem_tensor(ops.s_shape, Float32)  # the score the mod saw: its derivative needs it
-            raw.store(acc_S.load() * softmax_scale)
+            if cutlass.const_expr(self.needs_raw_scores):
+                raw = cute.make_rmem_tensor(ops.s_shape, Float32)  # the score the mod saw: its derivative needs it
+                raw.store(acc_S.load() * softmax_scale)
             apply_score_mod(acc_S, coords, self.score_mod, softmax_scale, batch, head, q_start, kv_start, q_last,
                             kv_last, self.clamp_indices, aux_tensors, aux_scalars)
         if cutlass.const_expr(self.mask_mod is not None):
@@ -100,7 +101,7 @@ class BwdStep:
             d = self.row_stat(mDpsum, ops.sDpsum, batch, head, q_start, c_cols[0, j][0], state.index)
             for r in cutlass.range_constexpr(cute.size(dp_cols, mode=[0])):
                 dp_cols[r, j] = Float32(s_cols[r, j]) * (dp_cols[r, j] - d)
-        if cutlass.const_expr(self.score_mod is not None):
+        if cutlass.const_expr(self.needs_raw_scores):
             self.mod_backward(acc_dP, raw, coords, batch, head, q_start, kv_start, q_last, kv_last, aux_tensors,
                               aux_scalars, aux_grads)
 
