@@ -6,6 +6,12 @@
 (`--report-api-errors no`: the CUDA driver bindings probe optional entry points with cuGetProcAddress, which the
 sanitizer otherwise lists as errors although no kernel touched memory out of bounds.)
 
+racecheck reports hazards between the producer's bulk copies of the LSE2/D rows into a stage and the consumers'
+reads of them (none with `--config stats_from_global`; FA4's backward, which also stages its LSE/D rows through
+shared memory, draws 8 such reports on a 300-token case). Those accesses are ordered by the stage's mbarriers: the
+consumers wait on the stage's full barrier before reading and arrive on its empty barrier only after the step's
+last read, one elected lane per warp, which the tool does not appear to credit to the other lanes. memcheck is clean.
+
 Lengths are not tile multiples and Sq != Skv, so tail tiles, padded D/LSE rows, the TMA clipping of dK/dV stores and
 the dQ reduce past Sq are exercised, with GQA, a block mask, every trainable gallery variant, a gradient into the
 LSE output, and deterministic mode.
