@@ -83,6 +83,34 @@ def sass_opcodes(sass: str) -> Counter:
     return Counter(m.group(1) for m in _SASS_LINE.finditer(sass))
 
 
+_SASS_LABEL = re.compile(r"^(\.L_x_\d+):")
+_SASS_BRANCH_TARGET = re.compile(r"\bBRA\b.*`\((\.L_x_\d+)\)")
+
+
+def sass_gemm_loop(sass: str) -> Counter:
+    """Full opcode -> count over the innermost loop that issues HGMMA (the kernel's main loop): the instructions
+    between a label and a backward branch to it, smallest such span that contains a tensor-core instruction. Empty
+    when there is none. What the loop costs per iteration is what decides a kernel's issue rate."""
+    ops: list[str] = []
+    labels: dict[str, int] = {}
+    best: Optional[list[str]] = None
+    for line in sass.splitlines():
+        label = _SASS_LABEL.match(line.strip())
+        if label:
+            labels[label.group(1)] = len(ops)
+            continue
+        m = _SASS_LINE.search(line)
+        if not m:
+            continue
+        ops.append(m.group(1))
+        target = _SASS_BRANCH_TARGET.search(line)
+        if target and target.group(1) in labels:  # a label already seen: a backward branch
+            body = ops[labels[target.group(1)]:]
+            if any(op.startswith("HGMMA") for op in body) and (best is None or len(body) < len(best)):
+                best = body
+    return Counter(best or ())
+
+
 def sass_groups(opcodes: Counter) -> dict[str, int]:
     groups: Counter = Counter()
     for op, n in opcodes.items():
@@ -114,6 +142,7 @@ class CompileReport:
     smem_dynamic_bytes: Optional[int] = None     # what the launch requests (from the kernel configuration)
     ptx: dict = field(default_factory=dict)
     opcodes: Counter = field(default_factory=Counter)
+    loop_opcodes: Counter = field(default_factory=Counter)  # the main (HGMMA) loop's body, `sass_gemm_loop`
     missing: list = field(default_factory=list)
     errors: list = field(default_factory=list)
     ptx_text: Optional[str] = field(default=None, repr=False)
@@ -148,6 +177,10 @@ class CompileReport:
             rows.append(("HGMMA (wgmma) instructions", f"{self.hgmma:,}"))
             rows.append(("MUFU instructions", ", ".join(f"{op} {n}" for op, n in self.mufu.items()) or "0"))
             rows.append(("SASS instructions", f"{sum(self.opcodes.values()):,}"))
+        if self.loop_opcodes:
+            loop_hgmma = sum(n for op, n in self.loop_opcodes.items() if op.startswith("HGMMA"))
+            rows.append(("main loop (SASS, per iteration)",
+                         f"{sum(self.loop_opcodes.values()):,} instructions, {loop_hgmma} HGMMA"))
         if self.ptx:
             rows.append(("PTX", ", ".join(f"{k} {v:,}" for k, v in self.ptx.items())))
         return rows
@@ -217,6 +250,7 @@ def report_from_ptx(ptx: str, *, kernel: str = "kernel", arch: str = "sm_90a", c
             rep.errors.append(f"nvdisasm exited with {dis.returncode}: {dis.stderr.strip()[:2000]}")
             return rep
         rep.opcodes = sass_opcodes(dis.stdout)
+        rep.loop_opcodes = sass_gemm_loop(dis.stdout)
     return rep
 
 

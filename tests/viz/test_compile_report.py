@@ -122,3 +122,28 @@ def test_forward_kernel_report_without_gpu():
     if find_tool("nvdisasm") is not None:
         assert rep.hgmma > 0 and rep.mufu.get("MUFU.EX2", 0) > 0
     assert cr.forward_kernel_report(None, causal, head_dim=64) is rep        # cached per generated source
+
+
+def test_gemm_loop_is_the_smallest_backward_branch_span_with_hgmma():
+    from flexlab.viz.compile_report import sass_gemm_loop
+    sass = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   IMAD R2, R3, 0x4, R2 ;
+.L_x_1:
+        /*0020*/                   R2UR UR4, R2 ;
+        /*0030*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;
+        /*0040*/                   MUFU.EX2 R5, R5 ;
+        /*0050*/              @!P0 BRA `(.L_x_1) ;
+        /*0060*/                   FADD R6, R6, R7 ;
+        /*0070*/               @P1 BRA `(.L_x_0) ;
+.L_x_2:
+        /*0080*/                   FMUL R8, R8, R9 ;
+        /*0090*/               @P2 BRA `(.L_x_2) ;
+        /*00a0*/                   BRA `(.L_x_3) ;
+.L_x_3:
+        /*00b0*/                   EXIT ;
+"""
+    loop = sass_gemm_loop(sass)
+    assert loop == {"R2UR": 1, "HGMMA.64x64x16.F32.BF16": 1, "MUFU.EX2": 1, "BRA": 1}
+    assert sass_gemm_loop(sass.replace("HGMMA.64x64x16.F32.BF16", "FFMA")) == {}  # no tensor-core loop
