@@ -35,3 +35,22 @@ def test_flex_kernel_with_mods_and_block_sparsity_compiles_without_spills():
                aux_scalar_kinds=("float",), block_sparse=True, tile_order=True, dtype="float16")
     rep = compile_report(key, KernelMods(softcap_score, document_mask, "t", (("int32", 1),), ("float",)))
     assert rep.has_wgmma and rep.spill_store_bytes == 0 and rep.spill_load_bytes == 0, rep
+
+
+# SASS instructions per iteration of the dense forward's main loop (two GEMMs, the online softmax and the O
+# rescale of one K/V tile), measured when this test was written, plus ~3%. The wgmma descriptors stay in uniform
+# registers (the backward once lost a fifth of its loop to copying them: tests/kernels/test_bwd_sass.py).
+FWD_LOOP_BUDGET = {64: 427, 128: 462}
+
+
+@pytest.mark.parametrize("D", sorted(FWD_LOOP_BUDGET))
+def test_dense_main_loop_stays_within_its_instruction_budget(D):
+    import flexlab.runtime.compile as rc
+    from flexlab.viz.compile_report import report_from_ptx
+    rep = report_from_ptx(rc._build(_key(D), KernelMods(), " --keep-ptx").__ptx__)
+    if rep.missing:
+        pytest.skip(f"needs {rep.missing}")
+    loop = rep.loop_opcodes
+    assert sum(n for op, n in loop.items() if op.startswith("MUFU.EX2")) >= 64, loop  # one exp2 per score
+    assert loop.get("R2UR", 0) <= 2, loop
+    assert sum(loop.values()) <= FWD_LOOP_BUDGET[D], (sum(loop.values()), loop.most_common(12))
