@@ -88,12 +88,12 @@ _SASS_BRANCH_TARGET = re.compile(r"\bBRA\b.*`\((\.L_x_\d+)\)")
 
 
 def sass_gemm_loop(sass: str) -> Counter:
-    """Full opcode -> count over the innermost loop that issues HGMMA (the kernel's main loop): the instructions
-    between a label and a backward branch to it, smallest such span that contains a tensor-core instruction. Empty
-    when there is none. What the loop costs per iteration is what decides a kernel's issue rate."""
+    """Full opcode -> count over the kernel's main loop: the smallest span between a label and a backward branch to
+    it that issues HGMMA and, if any such loop does, exp2 (MUFU.EX2: an attention step, not a GEMM-only fragment of
+    one). Empty when no loop issues HGMMA. What the loop costs per iteration decides a kernel's issue rate."""
     ops: list[str] = []
     labels: dict[str, int] = {}
-    best: Optional[list[str]] = None
+    loops: list[list[str]] = []
     for line in sass.splitlines():
         label = _SASS_LABEL.match(line.strip())
         if label:
@@ -106,9 +106,10 @@ def sass_gemm_loop(sass: str) -> Counter:
         target = _SASS_BRANCH_TARGET.search(line)
         if target and target.group(1) in labels:  # a label already seen: a backward branch
             body = ops[labels[target.group(1)]:]
-            if any(op.startswith("HGMMA") for op in body) and (best is None or len(body) < len(best)):
-                best = body
-    return Counter(best or ())
+            if any(op.startswith("HGMMA") for op in body):
+                loops.append(body)
+    with_exp2 = [body for body in loops if "MUFU.EX2" in body]
+    return Counter(min(with_exp2 or loops, key=len, default=()))
 
 
 def sass_groups(opcodes: Counter) -> dict[str, int]:
