@@ -6,10 +6,11 @@ BlockMask drives it when its KV block size is a multiple of `tile_n` and its Q b
 default BLOCK_SIZE=128 serves both passes for every supported head dim (`shares_block_mask_with_forward`).
 
 The boolean fields are speed options; each setting is a separate compiled kernel, and
-`tests/kernels/bwd_perf_sweep.py` times and checks every candidate against the default on the H200. The default turns
-on `stats_in_smem` and (outside deterministic mode) `kv_tiles_first`: together they made the main kernel 1.16-1.66x faster on every swept row
-(D=64 and 128, dense, causal, sliding window, soft-cap; benchmarks/results/bwd_sweep_h200_2026-11-30.json), fastest or
-within 1.5% of the fastest; `dk_after_dq` was never faster than them, and `tile_m=128` at D=64 slowed every row:
+`tests/kernels/bwd_perf_sweep.py` times and checks every candidate against the default on the H200. The default
+turns on `stats_in_smem` and (outside deterministic mode) `kv_tiles_first`: together they made the main kernel
+1.16-1.66x faster on every swept row (D=64 and 128, dense, causal, sliding window, soft-cap;
+benchmarks/results/bwd_sweep_h200_2026-11-30.json), fastest or within 1.5% of the fastest; `dk_after_dq` was never
+faster than them, and `tile_m=128` at D=64 slowed every row:
 
   stats_in_smem   the producer copies each step's LSE2 and D rows (tile_m fp32 each) into shared memory with the Q/dO
                   tiles, instead of every consumer thread loading its tile_m / 4 values of each from global memory
@@ -115,8 +116,9 @@ class BwdConfig:
 def default_bwd_config(head_dim: int, deterministic: bool = False) -> BwdConfig:
     """The configuration the launcher runs: the dataclass defaults (see the module docstring for why), except that
     deterministic mode keeps the heads-first CTA order. There each KV tile waits for the lower KV tiles of its head to
-    add their dQ partials first, and running a head's KV tiles side by side turns that into a chain: 2-10x slower
-    than heads first on the sliding-window and document rows (benchmarks/results/bwd_all_h200_2026-11-30b.json)."""
+    add their dQ partials first, and running a head's KV tiles side by side turns that into a chain: 4-12x flexlab's
+    default time on the sliding-window and document rows (benchmarks/results/bwd_all_h200_2026-11-30b.json), against
+    1.3-2.3x with heads first (bwd_det_h200_2026-11-30.json)."""
     return BwdConfig(head_dim=head_dim, kv_tiles_first=not deterministic)
 
 
