@@ -201,8 +201,8 @@ def test_keys_never_collide(monkeypatch):
                 for has_dlse in (False, True):
                     monkeypatch.setattr(bwd_launch, "_KERNELS", {})
                     aux = tuple(g.kernel_aux_tensors()) if g is not None else ()
-                    bwd_launch._kernels(g, (), aux, torch.bfloat16, bwd_launch._config(D, deterministic), False, has_dlse,
-                                        deterministic, "sm_90a")
+                    cfg = bwd_launch._config(D, deterministic)
+                    bwd_launch._kernels(g, (), aux, torch.bfloat16, cfg, False, has_dlse, deterministic, "sm_90a")
                     seen[name, D, deterministic, has_dlse] = keys[-3:]
     pre = {c: k[0] for c, k in seen.items()}
     main = {c: k[1] for c, k in seen.items()}
@@ -345,7 +345,8 @@ def test_each_configuration_gets_its_own_kernels(monkeypatch, fresh_cache):
 def test_a_warm_call_neither_hashes_nor_touches_the_disk(monkeypatch, fresh_cache):
     _recorded_keys(monkeypatch)
     g = _mods()["softcap"]
-    args = (g, (), tuple(g.kernel_aux_tensors()), torch.bfloat16, bwd_launch._config(64, True), False, True, True, "sm_90a")
+    cfg = bwd_launch._config(64, True)
+    args = (g, (), tuple(g.kernel_aux_tensors()), torch.bfloat16, cfg, False, True, True, "sm_90a")
     first = bwd_launch._kernels(*args)
 
     def forbidden(*a, **k):
