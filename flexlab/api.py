@@ -11,7 +11,7 @@ from .errors import BackendUnavailableError, FlexlabTypeError, FlexlabValueError
 from .mods import check_mask_mod, check_score_mod
 
 BACKENDS = ("auto", "reference", "torch", "cute")
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
 
 
 def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, backend):
@@ -33,7 +33,8 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, backe
             f"query, key and value must be on one device, got {query.device}, {key.device}, {value.device}")
     B, Hq, Sq, D = query.shape
     Bk, Hkv, Skv, Dk = key.shape
-    if key.shape[:3] != value.shape[:3]:
+    Bv, Hv, Sv, _ = value.shape
+    if Bk != Bv or Hkv != Hv or Skv != Sv:  # (ints: slicing torch.Size costs more than the whole check)
         raise FlexlabValueError(f"key and value must agree in (B, H, S), got key {tuple(key.shape)} and value "
                                 f"{tuple(value.shape)}")
     if Bk != B:
@@ -60,7 +61,8 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, backe
             raise FlexlabValueError(
                 f"block_mask was built for (Q_LEN, KV_LEN) = {tuple(block_mask.seq_lengths)} but the inputs have "
                 f"({Sq}, {Skv}); build it with create_block_mask(mask_mod, B, H, {Sq}, {Skv})")
-        mb, mh = block_mask.kv_num_blocks.shape[:2]
+        lists = block_mask.kv_num_blocks.shape
+        mb, mh = lists[0], lists[1]
         if mb not in (1, B) or mh not in (1, Hq):
             raise FlexlabValueError(
                 f"block_mask has (B, H) = ({mb}, {mh}); it must be 1 or match the query's ({B}, {Hq})")
@@ -94,8 +96,9 @@ def _cute_plan(query, key, value, score_mod, block_mask) -> tuple[str, bool]:
 def _cute_plan_static(device, dtype, head_dim, v_head_dim, score_mod, mask_mod, block_size, has_q_lists,
                       qkv_grad: bool, grad_enabled: bool) -> str:
     """The reason string with "1" (backward needed) or "0" appended: one string, so Dynamo folds it as a constant."""
-    reason = cute.support_reason(device, dtype, head_dim, v_head_dim, score_mod, mask_mod, block_size)
-    needs_grad = not reason and (qkv_grad or (grad_enabled and cute.captured_requires_grad(score_mod, mask_mod)))
+    reason, captured_grad = cute.support_and_captured_grad(device, dtype, head_dim, v_head_dim, score_mod, mask_mod,
+                                                           block_size)
+    needs_grad = not reason and (qkv_grad or (grad_enabled and captured_grad))
     if needs_grad:
         from .autograd import backward_reason
         reason = backward_reason(dtype, head_dim, block_size, has_q_lists) or ""

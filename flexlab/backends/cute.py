@@ -13,7 +13,7 @@ from torch.nn.attention.flex_attention import noop_mask
 
 from ..errors import BackendUnavailableError, UnsupportedModError
 
-_DTYPES = (torch.bfloat16, torch.float16)
+_DTYPES = frozenset((torch.bfloat16, torch.float16))
 _HEAD_DIMS = (64, 128, 256)
 
 
@@ -26,7 +26,7 @@ def _captured_state(fn) -> tuple:
     cells, glb, names = _readers(fn)
     values = [c.cell_contents for c in cells if _cell_full(c)]
     values += [glb[n] for n in names if n in glb]
-    return tuple(_fingerprint(v) for v in values)
+    return tuple([_fingerprint(v) for v in values])
 
 
 _READERS: dict = {}
@@ -70,7 +70,8 @@ class _Lowered:
         from ..runtime.compile import KernelMods
         self.state = state
         module = g.module()
-        self.aux_tensors = tuple(g.kernel_aux_tensors())
+        self.aux_tensors = tuple(g.kernel_aux_tensors())  # detached kernel copies
+        self.captured = tuple(g.aux_tensors)  # the user's tensors: whether they require grad is read per call
         self.aux_scalars = tuple(int(v) if k != "float" else float(v) for v, k in zip(g.aux_scalars,
                                                                                      g.aux_scalar_kinds))
         specs = tuple((str(t.dtype).removeprefix("torch."), t.dim()) for t in self.aux_tensors)
@@ -140,26 +141,35 @@ def _device_reason(device) -> str:
 def support_reason(device, dtype, head_dim: int, v_head_dim: int, score_mod, mask_mod, block_size) -> str:
     """"" when the forward kernel runs these inputs, else why not. Takes no tensors (only what the decision needs),
     so `flexlab.api` can have torch.compile fold it into a constant at trace time."""
+    return support_and_captured_grad(device, dtype, head_dim, v_head_dim, score_mod, mask_mod, block_size)[0]
+
+
+def support_and_captured_grad(device, dtype, head_dim: int, v_head_dim: int, score_mod, mask_mod,
+                              block_size) -> tuple[str, bool]:
+    """(`support_reason`, whether a tensor the mods capture requires grad), lowering the mods once: checking what
+    they capture is the larger part of a warm call's host time."""
     reason = _device_reason(device)
     if reason:
-        return reason
+        return reason, False
     if dtype not in _DTYPES:
-        return f"dtype {dtype} unsupported; use bfloat16 or float16"
+        return f"dtype {dtype} unsupported; use bfloat16 or float16", False
     if head_dim not in _HEAD_DIMS or v_head_dim != head_dim:
-        return f"head dim {head_dim} (value {v_head_dim}) unsupported; supported: {_HEAD_DIMS}, equal for q/k/v"
+        return (f"head dim {head_dim} (value {v_head_dim}) unsupported; supported: {_HEAD_DIMS}, equal for q/k/v",
+                False)
     if block_size is not None:
         reason = _mask_reason(block_size, head_dim)
         if reason:
-            return reason
+            return reason, False
     mask_mod = _real_mask(mask_mod)
-    if score_mod is not None or mask_mod is not None:
-        try:
-            _lowered(score_mod, mask_mod)
-        except UnsupportedModError as e:
-            return str(e)
-        except ImportError as e:
-            return f"the code generator cannot run: {e}"
-    return ""
+    if score_mod is None and mask_mod is None:
+        return "", False
+    try:
+        low = _lowered(score_mod, mask_mod)
+    except UnsupportedModError as e:
+        return str(e), False
+    except ImportError as e:
+        return f"the code generator cannot run: {e}", False
+    return "", any(t.requires_grad for t in low.captured)
 
 
 def is_supported(q, k, v, score_mod, block_mask, scale, enable_gqa) -> tuple[bool, str]:
@@ -184,13 +194,16 @@ def captured_requires_grad(score_mod, mask_mod) -> bool:
     mask_mod = _real_mask(mask_mod)
     if score_mod is None and mask_mod is None:
         return False
-    return any(t.requires_grad for t in _lowered(score_mod, mask_mod).aux_tensors)
+    return any(t.requires_grad for t in _lowered(score_mod, mask_mod).captured)
 
 
 _MASK_REASON: dict = {}
 
 
 def _mask_reason(block_size, head_dim: int) -> str:
+    reason = _MASK_REASON.get((block_size, head_dim))  # a BlockMask's BLOCK_SIZE is already a tuple of ints
+    if reason is not None:
+        return reason
     key = (tuple(int(x) for x in block_size), head_dim)
     reason = _MASK_REASON.get(key)
     if reason is None:
@@ -199,7 +212,22 @@ def _mask_reason(block_size, head_dim: int) -> str:
         cfg = default_config(head_dim, block_sparse=True)
         reason = block_size_incompatibility(key[0], cfg.tile_m, cfg.tile_n) or ""
         _MASK_REASON[key] = reason
+    try:
+        _MASK_REASON[(block_size, head_dim)] = reason
+    except TypeError:  # unhashable (a list): only the normalised key is kept
+        pass
     return reason
+
+
+_LAUNCH = None
+
+
+def _load_launch():
+    """`runtime.launch`, imported on first use (an import statement in the warm path costs ~1 us a call)."""
+    global _LAUNCH
+    from ..runtime import launch
+    _LAUNCH = launch
+    return launch
 
 
 def flex_attention_forward(q, k, v, score_mod, block_mask, scale, enable_gqa, captures_checked: bool = False):
@@ -211,7 +239,7 @@ def flex_attention_forward(q, k, v, score_mod, block_mask, scale, enable_gqa, ca
     """
     if q.device.type != "cuda":
         raise BackendUnavailableError(f"backend='cute' needs CUDA tensors, got {q.device}")
-    from ..runtime.launch import forward
+    forward = (_LAUNCH or _load_launch()).forward
     mask_mod = _effective_mask_mod(block_mask)
     if score_mod is None and mask_mod is None:
         return forward(q, k, v, block_mask=block_mask, scale=scale)

@@ -115,3 +115,80 @@ def test_api_call_passes_the_values_captured_at_that_call(monkeypatch):
     finally:
         monkeypatch.undo()
     assert seen == [(20.0,), (7.5,)]
+
+
+def test_a_warm_call_reads_the_captures_once(monkeypatch):
+    """Reading what the mods capture is most of a warm call's host time: the backend check, the gradient decision
+    and the launch share one read per mod (two for a score_mod plus a mask_mod)."""
+    import flexlab
+    from flexlab.runtime import launch
+
+    score_mod, _ = _softcap()
+    reads = []
+    original = backend._captured_state
+
+    def counting(fn):
+        reads.append(fn)
+        return original(fn)
+
+    def fake_forward(q, k, v, mods=None, aux_tensors=(), aux_scalars=(), block_mask=None, scale=None):
+        return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+    monkeypatch.setattr(backend, "_device_reason", lambda device: "")
+    monkeypatch.setattr(backend, "_captured_state", counting)
+    monkeypatch.setattr(launch, "forward", fake_forward)
+
+    class FakeCuda:
+        type = "cuda"
+
+    fake_cuda = FakeCuda()
+    q = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16)
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: fake_cuda), raising=False)
+    try:
+        with torch.no_grad():
+            flexlab.flex_attention(q, q, q, score_mod, backend="cute")  # generates and lowers
+            reads.clear()
+            flexlab.flex_attention(q, q, q, score_mod, backend="cute")
+    finally:
+        monkeypatch.undo()
+    assert reads == [score_mod, None]
+
+
+def test_support_and_captured_grad_agrees_with_its_parts(monkeypatch):
+    monkeypatch.setattr(backend, "_device_reason", lambda device: "")
+    table = torch.randn(4, requires_grad=True)
+
+    def learnable(score, b, h, q_idx, kv_idx):
+        return score + table[h]
+
+    score_mod, _ = _softcap()
+    dev = torch.device("cpu")
+    for mod in (learnable, score_mod, None):
+        both = backend.support_and_captured_grad(dev, torch.bfloat16, 128, 128, mod, None, None)
+        assert both == (backend.support_reason(dev, torch.bfloat16, 128, 128, mod, None, None),
+                        backend.captured_requires_grad(mod, None))
+    assert backend.support_and_captured_grad(dev, torch.bfloat16, 128, 128, learnable, None, None) == ("", True)
+    reason, grad = backend.support_and_captured_grad(dev, torch.bfloat16, 96, 96, learnable, None, None)
+    assert "head dim 96" in reason and grad is False
+    table.requires_grad_(False)  # read at every call, not when the mods were lowered
+    assert backend.support_and_captured_grad(dev, torch.bfloat16, 128, 128, learnable, None, None) == ("", False)
+    table.requires_grad_(True)
+    assert backend.captured_requires_grad(learnable, None)
+
+
+def test_only_a_learnable_table_requiring_grad_takes_the_differentiable_path(monkeypatch):
+    """q, k, v without grad but a captured bias table with it: the call must go through the backward-capable path
+    (it used to look at the kernel's detached copies of the captured tensors and run the forward-only kernel, so
+    the table silently got no gradient)."""
+    import flexlab.api as api
+    monkeypatch.setattr(backend, "_device_reason", lambda device: "")
+    table = torch.randn(2, requires_grad=True)
+
+    def learnable(score, b, h, q_idx, kv_idx):
+        return score + table[h]
+
+    q = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16)
+    reason, needs_grad = api._cute_plan(q, q, q, learnable, None)
+    assert reason == "" and needs_grad
+    with torch.no_grad():
+        assert api._cute_plan(q, q, q, learnable, None) == ("", False)
