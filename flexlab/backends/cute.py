@@ -201,21 +201,14 @@ _MASK_REASON: dict = {}
 
 
 def _mask_reason(block_size, head_dim: int) -> str:
-    reason = _MASK_REASON.get((block_size, head_dim))  # a BlockMask's BLOCK_SIZE is already a tuple of ints
-    if reason is not None:
-        return reason
-    key = (tuple(int(x) for x in block_size), head_dim)
+    key = (tuple(block_size), head_dim)  # a BlockMask's BLOCK_SIZE is a tuple of ints: tuple() returns it as is
     reason = _MASK_REASON.get(key)
     if reason is None:
         from ..kernels.config import default_config
         from ..runtime.sparsity import block_size_incompatibility
         cfg = default_config(head_dim, block_sparse=True)
-        reason = block_size_incompatibility(key[0], cfg.tile_m, cfg.tile_n) or ""
+        reason = block_size_incompatibility(tuple(int(x) for x in block_size), cfg.tile_m, cfg.tile_n) or ""
         _MASK_REASON[key] = reason
-    try:
-        _MASK_REASON[(block_size, head_dim)] = reason
-    except TypeError:  # unhashable (a list): only the normalised key is kept
-        pass
     return reason
 
 

@@ -45,9 +45,9 @@ FWD_LOOP_BUDGET = {64: 427, 128: 462}
 
 @pytest.mark.parametrize("D", sorted(FWD_LOOP_BUDGET))
 def test_dense_main_loop_stays_within_its_instruction_budget(D):
-    import flexlab.runtime.compile as rc
+    from flexlab.runtime.compile import forward_ptx
     from flexlab.viz.compile_report import report_from_ptx
-    rep = report_from_ptx(rc._build(_key(D), KernelMods(), " --keep-ptx").__ptx__)
+    rep = report_from_ptx(forward_ptx(_key(D)))
     if rep.missing:
         pytest.skip(f"needs {rep.missing}")
     loop = rep.loop_opcodes

@@ -85,13 +85,10 @@ def test_kernel_key_follows_the_generated_text_not_only_the_graph(monkeypatch):
     assert low.mods.source_hash != g.hash
 
 
-def test_api_call_passes_the_values_captured_at_that_call(monkeypatch):
-    """flex_attention reads a mod's captures once per call (the backend check) and launches with those values: a new
-    soft-cap between two calls reaches the second launch."""
-    import flexlab
+def _run_on_fake_cuda(monkeypatch, calls) -> list:
+    """Run `calls(q)` through flexlab.flex_attention as if on a CUDA device, with the kernel launch replaced by a
+    stub; returns the captured scalars each launch received."""
     from flexlab.runtime import launch
-
-    score_mod, set_cap = _softcap()
     seen = []
 
     def fake_forward(q, k, v, mods=None, aux_tensors=(), aux_scalars=(), block_mask=None, scale=None):
@@ -109,19 +106,31 @@ def test_api_call_passes_the_values_captured_at_that_call(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "device", property(lambda self: fake_cuda), raising=False)
     try:
         with torch.no_grad():
-            flexlab.flex_attention(q, q, q, score_mod, backend="cute")
-            set_cap(7.5)
-            flexlab.flex_attention(q, q, q, score_mod, backend="cute")
+            calls(q)
     finally:
         monkeypatch.undo()
-    assert seen == [(20.0,), (7.5,)]
+    return seen
+
+
+def test_api_call_passes_the_values_captured_at_that_call(monkeypatch):
+    """flex_attention reads a mod's captures once per call (the backend check) and launches with those values: a new
+    soft-cap between two calls reaches the second launch."""
+    import flexlab
+
+    score_mod, set_cap = _softcap()
+
+    def calls(q):
+        flexlab.flex_attention(q, q, q, score_mod, backend="cute")
+        set_cap(7.5)
+        flexlab.flex_attention(q, q, q, score_mod, backend="cute")
+
+    assert _run_on_fake_cuda(monkeypatch, calls) == [(20.0,), (7.5,)]
 
 
 def test_a_warm_call_reads_the_captures_once(monkeypatch):
     """Reading what the mods capture is most of a warm call's host time: the backend check, the gradient decision
     and the launch share one read per mod (two for a score_mod plus a mask_mod)."""
     import flexlab
-    from flexlab.runtime import launch
 
     score_mod, _ = _softcap()
     reads = []
@@ -131,26 +140,14 @@ def test_a_warm_call_reads_the_captures_once(monkeypatch):
         reads.append(fn)
         return original(fn)
 
-    def fake_forward(q, k, v, mods=None, aux_tensors=(), aux_scalars=(), block_mask=None, scale=None):
-        return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
-
-    monkeypatch.setattr(backend, "_device_reason", lambda device: "")
     monkeypatch.setattr(backend, "_captured_state", counting)
-    monkeypatch.setattr(launch, "forward", fake_forward)
 
-    class FakeCuda:
-        type = "cuda"
+    def calls(q):
+        flexlab.flex_attention(q, q, q, score_mod, backend="cute")  # generates and lowers
+        reads.clear()
+        flexlab.flex_attention(q, q, q, score_mod, backend="cute")
 
-    fake_cuda = FakeCuda()
-    q = torch.randn(1, 2, 64, 64, dtype=torch.bfloat16)
-    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: fake_cuda), raising=False)
-    try:
-        with torch.no_grad():
-            flexlab.flex_attention(q, q, q, score_mod, backend="cute")  # generates and lowers
-            reads.clear()
-            flexlab.flex_attention(q, q, q, score_mod, backend="cute")
-    finally:
-        monkeypatch.undo()
+    _run_on_fake_cuda(monkeypatch, calls)
     assert reads == [score_mod, None]
 
 
