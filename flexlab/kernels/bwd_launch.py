@@ -286,7 +286,7 @@ def _kernels(g, grad_slots, kernel_aux, dtype: torch.dtype, cfg: BwdConfig, spar
                  tuple("float" if kind == "float" else "int" for kind in (g.aux_scalar_kinds if g else ())),
                  tuple(kernel_aux[i].dim() for i in grad_slots), name, cfg, sparse, deterministic, arch,
                  fixed_point, g.source_hash if g is not None else "",
-                 bool(g is not None and g.has_score_mod and g.score_grad_is_identity))
+                 bool(g is not None and g.score_grad_is_identity))
     hit = Kernels(preprocess_kernel(name, D, has_dlse, arch), main_kernel(key, g), postprocess_kernel(name, D, arch),
                   torch.int64 if fixed_point else torch.float32)
     _KERNELS[fast] = hit
