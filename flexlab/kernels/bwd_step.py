@@ -56,11 +56,16 @@ class BwdStep:
         q_start = m_block * self.tile_m
         coords = ops.coords
         pipe_qdo.consumer_wait(state)
+        # The stage picks the shared-memory descriptors of every GEMM below. Marked warp-uniform, ptxas keeps the
+        # descriptors in uniform registers (one UIADD3.64 per K slice); without the hint it built each one in
+        # ordinary registers (move, 64-bit add with carry) and copied it over with R2UR: ~130 of the loop's ~650
+        # instructions at D=128. The same for the dS buffer the dQ GEMM reads, below.
+        stage = cute.arch.make_warp_uniform(state.index)
         acc_S = cute.make_rmem_tensor(ops.s_shape, Float32)
         acc_dP = cute.make_rmem_tensor(ops.s_shape, Float32)
-        wgmma(tiled_mma_sdp, acc_S, ops.tSrK, ops.tSrQ[None, None, None, state.index], True, -1)
+        wgmma(tiled_mma_sdp, acc_S, ops.tSrK, ops.tSrQ[None, None, None, stage], True, -1)
         if cutlass.const_expr(not self.lean):
-            wgmma(tiled_mma_sdp, acc_dP, ops.tPrV, ops.tPrdO[None, None, None, state.index], True, -1)
+            wgmma(tiled_mma_sdp, acc_dP, ops.tPrV, ops.tPrdO[None, None, None, stage], True, -1)
             warpgroup.wait_group(1)  # S^T is ready; dP^T is still on the tensor cores
         else:
             warpgroup.wait_group(0)
@@ -82,15 +87,15 @@ class BwdStep:
         # P^T = exp2(x * c - LSE2[q]); each accumulator column is one query row.
         s_cols, c_cols = rows_view(acc_S), rows_view(coords)
         for j in cutlass.range_constexpr(cute.size(s_cols, mode=[1])):
-            lse2 = self.row_stat(mLSE2, ops.sLSE2, batch, head, q_start, c_cols[0, j][0], state.index)
+            lse2 = self.row_stat(mLSE2, ops.sLSE2, batch, head, q_start, c_cols[0, j][0], stage)
             for r in cutlass.range_constexpr(cute.size(s_cols, mode=[0])):
                 s_cols[r, j] = cute.math.exp2(s_cols[r, j] * log2_scale - lse2, fastmath=True)
         if cutlass.const_expr(self.lean):
             # P goes to 16 bits now (its fp32 registers die), and dV += P^T dO runs beside dP^T = V dO^T.
             rP = cute.make_rmem_tensor_like(acc_S, self.dtype)  # accumulator order; as_operand_a re-views it
             convert_to_16bit(acc_S, rP)
-            wgmma(tiled_mma_dkv, acc_dV, as_operand_a(rP), ops.tVrdOt[None, None, None, state.index], False, -1)
-            wgmma(tiled_mma_sdp, acc_dP, ops.tPrV, ops.tPrdO[None, None, None, state.index], True, -1)
+            wgmma(tiled_mma_dkv, acc_dV, as_operand_a(rP), ops.tVrdOt[None, None, None, stage], False, -1)
+            wgmma(tiled_mma_sdp, acc_dP, ops.tPrV, ops.tPrdO[None, None, None, stage], True, -1)
             warpgroup.wait_group(0)
             s_cols = rows_view(rP)
         else:
@@ -98,7 +103,7 @@ class BwdStep:
         # dS^T = P^T * (dP^T - D[q])
         dp_cols = rows_view(acc_dP)
         for j in cutlass.range_constexpr(cute.size(dp_cols, mode=[1])):
-            d = self.row_stat(mDpsum, ops.sDpsum, batch, head, q_start, c_cols[0, j][0], state.index)
+            d = self.row_stat(mDpsum, ops.sDpsum, batch, head, q_start, c_cols[0, j][0], stage)
             for r in cutlass.range_constexpr(cute.size(dp_cols, mode=[0])):
                 dp_cols[r, j] = Float32(s_cols[r, j]) * (dp_cols[r, j] - d)
         if cutlass.const_expr(self.needs_raw_scores):
@@ -114,22 +119,22 @@ class BwdStep:
         cute.arch.fence_view_async_shared()  # dS^T in shared memory must be visible to the wgmma async proxy
 
         if cutlass.const_expr(not self.lean):
-            wgmma(tiled_mma_dkv, acc_dV, ops.tVrP, ops.tVrdOt[None, None, None, state.index], False, -1)
+            wgmma(tiled_mma_dkv, acc_dV, ops.tVrP, ops.tVrdOt[None, None, None, stage], False, -1)
         if cutlass.const_expr(not self.dk_after_dq):
-            wgmma(tiled_mma_dkv, acc_dK, as_operand_a(rdS), ops.tKrQt[None, None, None, state.index], False, -1)
+            wgmma(tiled_mma_dkv, acc_dK, as_operand_a(rdS), ops.tKrQt[None, None, None, stage], False, -1)
         self.wait_dq_slab_free()
         cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY), number_of_threads=self.num_consumer_threads)
         acc_dQ = cute.make_rmem_tensor(ops.dq_shape, Float32)
         if cutlass.const_expr(self.dk_after_dq):
             # dQ first, then dK; waiting for all but the newest group leaves dK on the tensor cores while the dQ
             # partial goes to shared memory and TMA. The stage (Q is dK's B operand) is released once dK is done.
-            wgmma(tiled_mma_dq, acc_dQ, ops.tQrdS[None, None, None, ds_index], ops.tQrKt, True, -1)
-            wgmma(tiled_mma_dkv, acc_dK, as_operand_a(rdS), ops.tKrQt[None, None, None, state.index], False, 1)
+            wgmma(tiled_mma_dq, acc_dQ, ops.tQrdS[None, None, None, cute.arch.make_warp_uniform(ds_index)], ops.tQrKt, True, -1)
+            wgmma(tiled_mma_dkv, acc_dK, as_operand_a(rdS), ops.tKrQt[None, None, None, stage], False, 1)
             self.reduce_dq(acc_dQ, ops.tdQsdQ, tdQs, tdQg, tma_dq, m_block, order, batch, head, wg)
             warpgroup.wait_group(0)
             pipe_qdo.consumer_release(state)
         else:
-            wgmma(tiled_mma_dq, acc_dQ, ops.tQrdS[None, None, None, ds_index], ops.tQrKt, True, 0)
+            wgmma(tiled_mma_dq, acc_dQ, ops.tQrdS[None, None, None, cute.arch.make_warp_uniform(ds_index)], ops.tQrKt, True, 0)
             pipe_qdo.consumer_release(state)
             self.reduce_dq(acc_dQ, ops.tdQsdQ, tdQs, tdQg, tma_dq, m_block, order, batch, head, wg)
 
