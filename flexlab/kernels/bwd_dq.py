@@ -37,9 +37,7 @@ class BwdDqReduce:
 
         The caller has made sure the previous reduce finished reading the slab (`wait_dq_slab_free` before a barrier
         the whole warpgroup passes)."""
-        mine = tdQsdQ[None, None, None]
-        for i in cutlass.range_constexpr(cute.size(acc_dQ)):
-            mine[i] = acc_dQ[i]
+        cute.autovec_copy(acc_dQ, tdQsdQ)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_READY_WG1) + wg, number_of_threads=128)
         if dq_issuer():
