@@ -83,10 +83,11 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         # dq_split_rows) 64 rows and every column.
         self.dq_rows = 64 if self.dq_split_rows else self.tile_m
         self.dq_cols = self.head_dim if self.dq_split_rows else self.head_dim // self.num_wg
-        # The options' extra live registers (row-statistics addresses, dK's register operand beside the dQ store)
-        # made the dS store's swizzled base address spill at D=128 (one reload per step); it is rebuilt in every
-        # step from the thread index instead (a few integer instructions).
-        self.rebuild_ds_store = self.stats_in_smem or self.dk_after_dq
+        # Where registers are tight, the dS store's swizzled base address is rebuilt in every step from the thread
+        # index (about 30 integer instructions) instead of staying live: with dK's register operand beside the dQ
+        # store (dk_after_dq), and with LSE2/D rows in shared memory on the block-sparse walk or 128-row tiles,
+        # where keeping it spilled 8 bytes. Elsewhere it stays live (`consume` decides, knowing `sparse`).
+        self.rebuild_ds_store = self.dk_after_dq
         # Lean register plan (a score_mod with a derivative to apply at D=128, or at D=64 with 128-row query tiles):
         # fp32 dK+dV (head_dim per thread), S, dP and the pre-mod scores (tile_m / 2 each) do not fit in 240
         # registers together, so dP^T is computed only after P is formed, and P is kept in 16 bits from then on.
@@ -294,7 +295,8 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         ops = StepOperands(tSrK=tSrK, tSrQ=tSrQ, tPrV=tPrV, tPrdO=tPrdO, tVrdOt=tVrdOt, tKrQt=tKrQt, tVrP=tVrP,
                            tQrdS=tQrdS, tQrKt=tQrKt, s_shape=s_shape, dq_shape=dq_shape, coords=coords, st_ds=st_ds,
                            thr_st_ds=thr_st_ds, tdSsdS=tdSsdS, tdQsdQ=tdQsdQ, sLSE2=sLSE2, sDpsum=sDpsum)
-        if cutlass.const_expr(self.rebuild_ds_store):
+        tight = self.stats_in_smem and (sparse is not None or self.tile_m > 64)
+        if cutlass.const_expr(self.rebuild_ds_store or tight):
             ops.tdSsdS = None
             ops.ds_store_view = lambda: cute.make_tiled_copy_C(st_ds, tiled_mma_sdp).get_slice(
                 opaque_i32(cute.arch.thread_idx()[0]) - 128).partition_D(transpose_smem(sdS))
