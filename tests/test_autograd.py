@@ -317,6 +317,31 @@ def test_cuda_deterministic_mode_is_bitwise_repeatable():
             assert torch.equal(a, b)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 GPU (H100/H200)")
+def test_cuda_table_only_gradient_through_flex_attention():
+    """A learnable bias table that requires grad while q, k, v do not: the cute backend must still run the
+    backward kernels and give the table its gradient (only the table is a leaf here)."""
+    from flexlab.testing import reference
+    S, D = 1000, 128
+    table = (0.1 * torch.randn(4, 65, device="cuda")).requires_grad_(True)
+
+    def rel_bias(score, b, h, q_idx, kv_idx):
+        return score + table[h, torch.clamp(kv_idx - q_idx, -32, 32) + 32]
+
+    q, k, v = random_qkv(2, 4, S, S, D, torch.bfloat16, "cuda")
+    out = flexlab.flex_attention(q, k, v, rel_bias, backend="cute")
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    assert table.grad is not None, "the table got no gradient"
+    ours = table.grad.clone()
+    table.grad = None
+    ref_out, _ = reference(q.double(), k.double(), v.double(), rel_bias, None, None, False)
+    ref_out.backward(dout.double())
+    assert not torch.isnan(ours).any()
+    assert rel_l2(ours, table.grad) < 2e-2, f"dtable: {rel_l2(ours, table.grad):.2e}"
+
+
 def test_torch_compile_fullgraph_through_flex_attention(monkeypatch):
     """`flexlab.flex_attention` itself (argument checks, backend choice, mod lowering) traces into one graph: the
     choice is folded to a constant at trace time and the kernels stay one opaque custom op. The device check is

@@ -21,7 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "SDPA on the same inputs; print a table and write JSON.")
     p.add_argument("--rows", default="fwd-default",
                    help=f"comma-separated row sets: {', '.join(ROW_SETS)} (default: fwd-default)")
-    p.add_argument("--only", default=None, help="keep rows whose name contains this text, e.g. 'causal' or 'S16k'")
+    p.add_argument("--only", default=None, help="keep rows whose name contains this text, e.g. 'causal' or 'S16k'; "
+                   "'|' separates alternatives, e.g. 'dense|causal'")
     p.add_argument("--backends", default="all",
                    help=f"all, peers, or a comma-separated list of: {', '.join(PEERS)} (default: all)")
     p.add_argument("--json", dest="json_path", default=None, help="write results here (rewritten after each row)")

@@ -108,9 +108,10 @@ ROW_SETS["all"] = ROW_SETS["fwd-default"] + ROW_SETS["bwd-default"]
 
 
 def select_rows(spec: str, only: str | None = None) -> list[Row]:
-    """Rows of the comma-separated set names in `spec`, optionally kept only where `only` is in the row's name.
+    """Rows of the comma-separated set names in `spec`, optionally kept only where `only` (or one of its
+    `|`-separated alternatives) is in the row's name.
 
-    Example: ``select_rows("fwd-default", only="causal")``.
+    Example: ``select_rows("fwd-default", only="causal")``, ``select_rows("bwd-default", only="dense|causal")``.
     """
     rows: list[Row] = []
     for part in (p.strip() for p in spec.split(",")):
@@ -120,7 +121,8 @@ def select_rows(spec: str, only: str | None = None) -> list[Row]:
             raise ValueError(f"--rows: unknown row set {part!r}; known sets: {', '.join(ROW_SETS)}")
         rows += [r for r in ROW_SETS[part] if r not in rows]
     if only:
-        rows = [r for r in rows if only in r.name]
+        wanted = [w for w in only.split("|") if w]
+        rows = [r for r in rows if any(w in r.name for w in wanted)]
     if not rows:
         raise ValueError(f"--rows {spec!r}" + (f" with --only {only!r}" if only else "") + " selects no rows")
     return rows

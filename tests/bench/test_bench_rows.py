@@ -37,6 +37,8 @@ def test_default_rows_are_the_issue_rows():
 def test_select_rows_filters_and_rejects_unknown_sets():
     rows = select_rows("fwd-default,bwd-default", only="S16k")
     assert rows and all("S16k" in r.name for r in rows)
+    either = select_rows("bwd-default", only="+bwd dense|+bwd causal")
+    assert {r.name.split()[1] for r in either} == {"dense", "causal"}
     with pytest.raises(ValueError, match="unknown row set 'nope'"):
         select_rows("nope")
     with pytest.raises(ValueError, match="selects no rows"):
