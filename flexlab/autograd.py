@@ -129,7 +129,7 @@ def backward_reason(dtype, head_dim: int, block_size, has_q_lists: bool) -> str 
         return f"the backward kernel supports head dims {BWD_HEAD_DIMS}, got {head_dim}"
     if block_size is not None:
         q_bs, kv_bs = (int(x) for x in block_size)
-        err = default_bwd_config(head_dim).block_mask_error(q_bs, kv_bs)
+        err = default_bwd_config(head_dim, q_block=q_bs).block_mask_error(q_bs, kv_bs)
         if err:
             return err + "; build the mask with BLOCK_SIZE=128"
         if not has_q_lists:

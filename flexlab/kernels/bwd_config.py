@@ -10,7 +10,7 @@ The boolean fields are speed options; each setting is a separate compiled kernel
 turns on `stats_in_smem` and (outside deterministic mode) `kv_tiles_first`: together they made the main kernel
 1.16-1.66x faster on every swept row (D=64 and 128, dense, causal, sliding window, soft-cap;
 benchmarks/results/bwd_sweep_h200_2026-11-30.json), fastest or within 1.5% of the fastest; `dk_after_dq` was never
-faster than them, and `tile_m=128` at D=64 slowed every row:
+faster than them. `default_bwd_config` picks `tile_m` per call (128 at D=64 where it pays, see `D64_TILE_M`):
 
   stats_in_smem   the producer copies each step's LSE2 and D rows (tile_m fp32 each) into shared memory with the Q/dO
                   tiles, instead of every consumer thread loading its tile_m / 4 values of each from global memory
@@ -32,6 +32,11 @@ from dataclasses import dataclass, replace
 from .config import REGISTERS_PER_SM, SMEM_BYTES_SM90, default_config
 
 BWD_HEAD_DIMS = (64, 128)
+# Q rows per step at head_dim 64 without a score_mod derivative: 1.13-1.16x faster main kernel than 64 on the dense
+# and causal S16k rows once the wgmma descriptors stayed in uniform registers (bwd_sweep_h200_2026-11-30b.json);
+# 0.78x with soft-capping, whose derivative keeps the raw scores live; captured-tensor gradients double the per-step
+# work the same way (unmeasured there, so they keep 64).
+D64_TILE_M = 128
 
 
 @dataclass(frozen=True)
@@ -113,13 +118,22 @@ class BwdConfig:
         return None
 
 
-def default_bwd_config(head_dim: int, deterministic: bool = False) -> BwdConfig:
-    """The configuration the launcher runs: the dataclass defaults (see the module docstring for why), except that
-    deterministic mode keeps the heads-first CTA order. There each KV tile waits for the lower KV tiles of its head to
-    add their dQ partials first, and running a head's KV tiles side by side turns that into a chain: 4-12x flexlab's
-    default time on the sliding-window and document rows (benchmarks/results/bwd_all_h200_2026-11-30b.json), against
-    1.3-2.3x with heads first (bwd_det_h200_2026-11-30.json)."""
-    return BwdConfig(head_dim=head_dim, kv_tiles_first=not deterministic)
+def default_bwd_config(head_dim: int, deterministic: bool = False, mod_grads: bool = False,
+                       q_block: int | None = None) -> BwdConfig:
+    """The configuration the launcher runs: the dataclass defaults (see the module docstring for why), except
+
+    - deterministic mode keeps the heads-first CTA order. There each KV tile waits for the lower KV tiles of its head
+      to add their dQ partials first, and running a head's KV tiles side by side turns that into a chain: 4-12x
+      flexlab's default time on the sliding-window and document rows (benchmarks/results/bwd_all_h200_2026-11-30b.json),
+      against 1.3-2.3x with heads first (bwd_det_h200_2026-11-30.json);
+    - at head_dim 64, 128-row Q steps (`D64_TILE_M`) unless the kernel works on every score for a score_mod
+      derivative or captured-tensor gradients (`mod_grads`), and when the block mask's Q block (`q_block`, None
+      without a mask) is a multiple of 128.
+    """
+    tile_m = 64
+    if head_dim == 64 and not mod_grads and (q_block is None or q_block % D64_TILE_M == 0):
+        tile_m = D64_TILE_M
+    return BwdConfig(head_dim=head_dim, tile_m=tile_m, kv_tiles_first=not deterministic)
 
 
 def shares_block_mask_with_forward(head_dim: int, block_size: int = 128) -> bool:
@@ -131,11 +145,13 @@ def shares_block_mask_with_forward(head_dim: int, block_size: int = 128) -> bool
             and bwd.block_mask_error(block_size, block_size) is None)
 
 
-def candidate_bwd_configs(head_dim: int, deterministic: bool = False) -> dict[str, BwdConfig]:
+def candidate_bwd_configs(head_dim: int, deterministic: bool = False,
+                          mod_grads: bool = False) -> dict[str, BwdConfig]:
     """Named configurations the GPU sweep (`tests/kernels/bwd_perf_sweep.py`) compares with the default of that mode:
-    the other CTA order, LSE2/D from global memory, each further option on, then together. All are feasible; the
+    the other CTA order, LSE2/D from global memory, each further option on, then together. Options that do not fit
+    beside that default (a third Q/dO stage with 128-row tiles at D=64 overflows shared memory) are left out; the
     launcher runs `default`."""
-    base = default_bwd_config(head_dim, deterministic)
+    base = default_bwd_config(head_dim, deterministic, mod_grads)
     other_order = "heads_first" if base.kv_tiles_first else "kv_tiles_first"
     cands = {
         "default": base,
@@ -148,11 +164,12 @@ def candidate_bwd_configs(head_dim: int, deterministic: bool = False) -> dict[st
     if deterministic:  # `neither` is then the other order with global stats: not a new question
         del cands["neither"]
     if head_dim == 64:
-        cands["tile_m128"] = replace(base, tile_m=128)
-        cands["tile_m128_dq_rows"] = replace(base, tile_m=128, dq_split_rows=True)
-        cands["combined"] = replace(base, tile_m=128, dq_split_rows=True, dk_after_dq=True)
+        other_m = 64 if base.tile_m == 128 else 128
+        cands[f"tile_m{other_m}"] = replace(base, tile_m=other_m)
+        rows128 = replace(base, tile_m=128, dq_split_rows=True)
+        cands["tile_m128_dq_rows"] = rows128
+        cands["combined"] = replace(rows128, dk_after_dq=True)
     else:
         cands["combined"] = replace(base, dk_after_dq=True, num_stages=3)
-    for name, cfg in cands.items():
-        assert cfg.feasibility_error() is None, (name, cfg.feasibility_error())
-    return cands
+    assert base.feasibility_error() is None, base.feasibility_error()
+    return {name: cfg for name, cfg in cands.items() if cfg.feasibility_error() is None}

@@ -244,9 +244,9 @@ def visit_ranks(sparse: tuple, num_m_tiles: int) -> torch.Tensor:
 
 
 @lru_cache(maxsize=None)
-def _config(head_dim: int, deterministic: bool) -> BwdConfig:
+def _config(head_dim: int, deterministic: bool, mod_grads: bool, q_block: int | None) -> BwdConfig:
     try:
-        return default_bwd_config(head_dim, deterministic).validate()
+        return default_bwd_config(head_dim, deterministic, mod_grads, q_block).validate()
     except ValueError as e:
         raise BackendUnavailableError(f"backend='cute' backward: {e}") from None
 
@@ -306,9 +306,10 @@ def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, bloc
     B, Hq, Sq, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
     deterministic = bool(deterministic)
-    cfg = _config(D, deterministic)
-    dev = q.device
     g = entry.generated
+    mod_grads = bool(g is not None and g.has_score_mod and (entry.grad_slots or not g.score_grad_is_identity))
+    cfg = _config(D, deterministic, mod_grads, int(block_size[0]) if block_mask else None)
+    dev = q.device
     kernel_aux = tuple(g.kernel_aux_tensors()) if g is not None else ()  # row-major, as bwd_sm90 compiled them
     for i, t in enumerate(kernel_aux):
         if t.device != dev:

@@ -60,6 +60,8 @@ ROWS = [
     ("d64-dense-B1-S16k", 64, 1, 16384, "dense"),
     ("d64-causal-B1-S16k", 64, 1, 16384, "causal"),
     ("d128-sliding1024-B4-S4k", 128, 4, 4096, "sliding"),
+    ("d64-sliding1024-B1-S16k", 64, 1, 16384, "sliding"),
+    ("d64-document-B1-S16k", 64, 1, 16384, "document"),
 ]
 # Run last: a score_mod (its generated derivative, and the lean register plan at D=128 and at D=64 with 128-row
 # tiles), mostly for correctness; small, so quick.
@@ -68,19 +70,26 @@ SCORE_MOD_ROWS = [
     ("d64-softcap-B2-S2k", 64, 2, 2048, "softcap"),
 ]
 HEADS = 16
+DOCUMENT_LEN = 2000  # packed documents of 2000 tokens: boundaries inside tiles, so partial blocks on the diagonal
 DETERMINISTIC_ROWS = ("d128-dense-B4-S4k", "d128-causal-B4-S4k", "d64-causal-B1-S16k", "d128-sliding1024-B4-S4k")
-DETERMINISTIC_VARIANTS = ("default", "kv_tiles_first", "stats_from_global")  # of candidate_bwd_configs(D, True)
+# of candidate_bwd_configs(D, True), where that head dim has them
+DETERMINISTIC_VARIANTS = ("default", "kv_tiles_first", "stats_from_global", "tile_m64")
+
+
+def _candidates(D: int, deterministic: bool, kind: str):
+    from flexlab.kernels.bwd_config import candidate_bwd_configs
+    return candidate_bwd_configs(D, deterministic, mod_grads=kind == "softcap")
 
 
 def case_list() -> list[str]:
-    from flexlab.kernels.bwd_config import candidate_bwd_configs
     cases = []
-    for name, D, *_ in ROWS:
-        cases += [f"{name}/{v}" for v in candidate_bwd_configs(D)]
+    for name, D, _, _, kind in ROWS:
+        cases += [f"{name}/{v}" for v in _candidates(D, False, kind)]
     for name in DETERMINISTIC_ROWS:
-        cases += [f"{name}/{v}/det" for v in DETERMINISTIC_VARIANTS]
-    for name, D, *_ in SCORE_MOD_ROWS:
-        cases += [f"{name}/{v}" for v in candidate_bwd_configs(D)]
+        _, D, _, _, kind = next(r for r in ROWS if r[0] == name)
+        cases += [f"{name}/{v}/det" for v in DETERMINISTIC_VARIANTS if v in _candidates(D, True, kind)]
+    for name, D, _, _, kind in SCORE_MOD_ROWS:
+        cases += [f"{name}/{v}" for v in _candidates(D, False, kind)]
     return cases
 
 
@@ -98,6 +107,10 @@ def _mask_fn(kind: str):
         def sliding_window(b, h, q_idx, kv_idx):
             return (q_idx >= kv_idx) & (q_idx - kv_idx < WINDOW)
         return sliding_window
+    if kind == "document":
+        def same_document(b, h, q_idx, kv_idx):
+            return q_idx // DOCUMENT_LEN == kv_idx // DOCUMENT_LEN
+        return same_document
     return None
 
 
@@ -114,6 +127,9 @@ def _density(kind: str, S: int) -> float:
         return 1.0
     if kind == "causal":
         return (S + 1) / (2 * S)
+    if kind == "document":
+        full, rest = divmod(S, DOCUMENT_LEN)
+        return (full * DOCUMENT_LEN ** 2 + rest ** 2) / (S * S)
     kept = sum(min(q + 1, WINDOW) for q in range(S))
     return kept / (S * S)
 
@@ -125,6 +141,8 @@ def _keep(kind: str, S: int, device):
         return None
     q = torch.arange(S, device=device)[:, None]
     kv = torch.arange(S, device=device)[None, :]
+    if kind == "document":
+        return q // DOCUMENT_LEN == kv // DOCUMENT_LEN
     keep = q >= kv
     if kind == "sliding":
         keep &= (q - kv) < WINDOW
@@ -241,7 +259,7 @@ def _kernel_times(fn, iters: int = 5) -> dict:
 def swap_config(bwd_launch, cfg) -> None:
     """Make the launcher run `cfg` for every head dim. `_config` itself is replaced: it memoises per head dim, so
     patching what it calls would leave every later case of one child on the first case's configuration."""
-    bwd_launch._config = lambda head_dim, deterministic: cfg.validate()
+    bwd_launch._config = lambda head_dim, deterministic, mod_grads, q_block: cfg.validate()
 
 
 def config_applied(bwd_launch, cfg, deterministic: bool) -> bool:
@@ -261,12 +279,11 @@ def run_case(case: str, problems: dict, outputs: dict) -> dict:
     from triton.testing import do_bench
 
     from flexlab.kernels import bwd_launch
-    from flexlab.kernels.bwd_config import candidate_bwd_configs
     row, variant, *flags = case.split("/")
     det = "det" in flags
     spec = next(r for r in ROWS + SCORE_MOD_ROWS if r[0] == row)
     name, D, B, S, kind = spec
-    cfg = candidate_bwd_configs(D, det)[variant]
+    cfg = _candidates(D, det, kind)[variant]
     rec = {"case": case, "row": row, "variant": variant, "deterministic": det, "config": repr(cfg),
            "shape": {"B": B, "H": HEADS, "S": S, "D": D}, "mask": kind}
     if row not in problems:

@@ -46,7 +46,7 @@ def kernels(case):
     """The three kernels `backward` would use for a bf16 D=64 problem: dense, or with the soft-cap score_mod."""
     g = generate(softcap, None, fastmath=True) if case == "softcap" else None
     aux = tuple(g.kernel_aux_tensors()) if g is not None else ()
-    return bwd_launch._kernels(g, (), aux, torch.bfloat16, bwd_launch._config(64, False), False, False, False, "sm_90a")
+    return bwd_launch._kernels(g, (), aux, torch.bfloat16, bwd_launch._config(64, False, False, None), False, False, False, "sm_90a")
 
 def signature(fn):
     """The compiled TVM-FFI signature of a loaded kernel, from the error a call with CPU tensors gets."""
@@ -201,7 +201,7 @@ def test_keys_never_collide(monkeypatch):
                 for has_dlse in (False, True):
                     monkeypatch.setattr(bwd_launch, "_KERNELS", {})
                     aux = tuple(g.kernel_aux_tensors()) if g is not None else ()
-                    cfg = bwd_launch._config(D, deterministic)
+                    cfg = bwd_launch._config(D, deterministic, False, None)
                     bwd_launch._kernels(g, (), aux, torch.bfloat16, cfg, False, has_dlse, deterministic, "sm_90a")
                     seen[name, D, deterministic, has_dlse] = keys[-3:]
     pre = {c: k[0] for c, k in seen.items()}
@@ -333,7 +333,7 @@ def test_each_configuration_gets_its_own_kernels(monkeypatch, fresh_cache):
     kernels of the configuration it ran first."""
     import dataclasses
     keys = _recorded_keys(monkeypatch)
-    base = bwd_launch._config(128, False)
+    base = bwd_launch._config(128, False, False, None)
     other = dataclasses.replace(base, kv_tiles_first=not base.kv_tiles_first)
     a = bwd_launch._kernels(None, (), (), torch.bfloat16, base, False, False, False, "sm_90a")
     b = bwd_launch._kernels(None, (), (), torch.bfloat16, other, False, False, False, "sm_90a")
@@ -345,7 +345,7 @@ def test_each_configuration_gets_its_own_kernels(monkeypatch, fresh_cache):
 def test_a_warm_call_neither_hashes_nor_touches_the_disk(monkeypatch, fresh_cache):
     _recorded_keys(monkeypatch)
     g = _mods()["softcap"]
-    cfg = bwd_launch._config(64, True)
+    cfg = bwd_launch._config(64, True, True, None)
     args = (g, (), tuple(g.kernel_aux_tensors()), torch.bfloat16, cfg, False, True, True, "sm_90a")
     first = bwd_launch._kernels(*args)
 
