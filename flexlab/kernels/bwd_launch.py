@@ -243,6 +243,13 @@ def visit_ranks(sparse: tuple, num_m_tiles: int) -> torch.Tensor:
     return (visits.cumsum(dim=2) - visits).to(torch.int32).contiguous()
 
 
+def config_for(head_dim: int, deterministic: bool, g, aux_grads: bool, q_block: int | None = None) -> BwdConfig:
+    """The configuration this call runs: `g` the generated mods (or None), `aux_grads` whether captured tensors get
+    gradients, `q_block` the block mask's Q block size (None without a mask)."""
+    mod_grads = bool(g is not None and g.has_score_mod and (aux_grads or not g.score_grad_is_identity))
+    return _config(head_dim, deterministic, mod_grads, q_block)
+
+
 @lru_cache(maxsize=None)
 def _config(head_dim: int, deterministic: bool, mod_grads: bool, q_block: int | None) -> BwdConfig:
     try:
@@ -307,8 +314,7 @@ def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, bloc
     Hkv, Skv = k.shape[1], k.shape[2]
     deterministic = bool(deterministic)
     g = entry.generated
-    mod_grads = bool(g is not None and g.has_score_mod and (entry.grad_slots or not g.score_grad_is_identity))
-    cfg = _config(D, deterministic, mod_grads, int(block_size[0]) if block_mask else None)
+    cfg = config_for(D, deterministic, g, bool(entry.grad_slots), int(block_size[0]) if block_mask else None)
     dev = q.device
     kernel_aux = tuple(g.kernel_aux_tensors()) if g is not None else ()  # row-major, as bwd_sm90 compiled them
     for i, t in enumerate(kernel_aux):

@@ -50,16 +50,16 @@ def test_postprocess_compiles(D):
 
 def _main_key(D, block_sparse=False, g=None, deterministic=False):
     from flexlab.kernels.bwd_config import default_bwd_config
-    from flexlab.kernels.bwd_launch import BwdKey
+    from flexlab.kernels.bwd_launch import BwdKey, config_for
     if g is None:
         return BwdKey("", False, False, False, (), (), (), "bfloat16", default_bwd_config(D), block_sparse,
                       deterministic)
     aux = g.kernel_aux_tensors()
+    cfg = config_for(D, deterministic, g, any(g.aux_requires_grad))  # as the launcher picks it
     return BwdKey(g.hash, g.has_score_mod, g.has_mask_mod, any(g.aux_requires_grad),
                   tuple((str(t.dtype).removeprefix("torch."), t.dim()) for t in aux),
                   tuple("float" if k == "float" else "int" for k in g.aux_scalar_kinds),
-                  tuple(t.dim() for t, rg in zip(aux, g.aux_requires_grad) if rg), "bfloat16", default_bwd_config(D),
-                  block_sparse)
+                  tuple(t.dim() for t, rg in zip(aux, g.aux_requires_grad) if rg), "bfloat16", cfg, block_sparse)
 
 
 def _check_main(ptx, report, D):
@@ -132,8 +132,9 @@ def test_deterministic_captured_grads_compile_to_integer_atomics():
     module = types.SimpleNamespace(score_mod=score_mod, score_mod_bwd=score_mod_bwd,
                                    score_mod_aux_grad=score_mod_aux_grad, mask_mod=None)
     for fixed_point in (False, True):
-        key = BwdKey("head-bias", True, False, True, (("float32", 1),), (), (1,), "bfloat16", default_bwd_config(64),
-                     False, fixed_point, "sm_90a", fixed_point)
+        cfg = default_bwd_config(64, fixed_point, mod_grads=True)
+        key = BwdKey("head-bias", True, False, True, (("float32", 1),), (), (1,), "bfloat16", cfg, False, fixed_point,
+                     "sm_90a", fixed_point)
         ptx, report = _assemble(compile_main(key, module, options=" --keep-ptx"))
         _no_spills(report)
         assert ("atom.global.add.u64" in ptx) == fixed_point
@@ -180,13 +181,17 @@ def test_main_kernel_with_learnable_bias_d128_has_no_spills():
     _no_spills(report)
 
 
-def test_q_direction_lists_match_block_states():
-    """The launcher's per-KV-tile lists of Q tiles (partial, then full) are exactly the mask's block states."""
+@pytest.mark.parametrize("tile_m", [64, 128])
+def test_q_direction_lists_match_block_states(tile_m):
+    """The launcher's per-KV-tile lists of Q tiles (partial, then full) are exactly the mask's block states, also
+    when a 128-row mask block splits into two Q steps."""
+    import dataclasses
+
     import flexlab
     from flexlab.kernels.bwd_config import default_bwd_config
     from flexlab.kernels.bwd_launch import q_direction_tensors
     from flexlab.mask import BLOCK_FULL, BLOCK_PARTIAL, block_states
-    cfg = default_bwd_config(64)
+    cfg = dataclasses.replace(default_bwd_config(64), tile_m=tile_m)
     Sq, Skv = 1000, 700
     bm = flexlab.create_block_mask(lambda b, h, q, kv: (q >= kv) & (q - kv < 300), 1, 2, Sq, Skv, BLOCK_SIZE=128)
     tensors = [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices, bm.q_num_blocks,
@@ -222,6 +227,37 @@ def test_mask_block_size_must_fit_the_backward_tiles():
     from flexlab.kernels.bwd_launch import q_direction_tensors
     with pytest.raises(BackendUnavailableError, match="BLOCK_SIZE"):
         q_direction_tensors([None] * 8, [32, 32], default_bwd_config(64), 256)
+
+
+def test_head_dim_64_steps_128_query_rows_only_where_it_pays():
+    """The launcher's tile choice: 128 query rows per step at D=64 without per-score gradient work and with a mask
+    whose Q block divides by 128; 64 otherwise (so a BLOCK_SIZE=64 mask still runs)."""
+    from flexlab.kernels.bwd_config import default_bwd_config
+    assert default_bwd_config(64).tile_m == 128
+    assert default_bwd_config(64, deterministic=True, q_block=256).tile_m == 128
+    assert default_bwd_config(64, mod_grads=True).tile_m == 64
+    assert default_bwd_config(64, q_block=64).tile_m == 64
+    assert default_bwd_config(64, q_block=64).block_mask_error(64, 128) is None
+    assert default_bwd_config(128).tile_m == 64
+
+
+def test_launcher_counts_derivatives_and_captured_grads_as_gradient_work():
+    import torch
+
+    from flexlab.codegen import generate
+    from flexlab.kernels.bwd_launch import config_for
+    slopes = torch.rand(4)
+
+    def alibi(score, b, h, q_idx, kv_idx):  # additive: its derivative is 1, nothing per score
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return 20.0 * torch.tanh(score / 20.0)
+
+    assert config_for(64, False, generate(alibi, None, fastmath=True), aux_grads=False).tile_m == 128
+    assert config_for(64, False, generate(alibi, None, fastmath=True), aux_grads=True).tile_m == 64
+    assert config_for(64, False, generate(softcap, None, fastmath=True), aux_grads=False).tile_m == 64
+    assert config_for(64, False, None, aux_grads=False, q_block=128).tile_m == 128
 
 
 def test_one_block_mask_serves_forward_and_backward():

@@ -11,11 +11,10 @@ pytest.importorskip("cutlass")
 def _loop(D: int, kind: str):
     from bwd_option_report import _mods, compile_ptx, key_for
 
-    from flexlab.kernels.bwd_config import default_bwd_config
+    from flexlab.kernels.bwd_launch import config_for
     from flexlab.viz.compile_report import report_from_ptx
     g, block_sparse, det = _mods(kind)
-    mod_grads = bool(g is not None and g.has_score_mod and (any(g.aux_requires_grad) or not g.score_grad_is_identity))
-    cfg = default_bwd_config(D, det, mod_grads)  # what the launcher runs for these mods
+    cfg = config_for(D, det, g, g is not None and any(g.aux_requires_grad))  # what the launcher runs for these mods
     rep = report_from_ptx(compile_ptx(key_for(cfg, g, block_sparse, det), g))
     if rep.missing:
         pytest.skip(f"needs {rep.missing}")
