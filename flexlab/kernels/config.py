@@ -67,6 +67,7 @@ class FwdConfig:
     exp2_poly: int = 0  # of every 8 scores of a row fragment, how many take exp2 as an FMA polynomial, not MUFU
     rescale_before_pv: bool = False  # rescale O by the previous row scale while QK runs (FA4 does it for D>128)
     early_block_index: bool = False  # read the next KV block index before waiting on its K (block-sparse)
+    mask_early: bool = False  # partial blocks: mask_mod into bit masks while the QK GEMM runs (implies the above)
     # Debug only, never set by the public API: stages removed for timing (names in ABLATIONS; results are wrong).
     ablate: tuple[str, ...] = ()
 

@@ -16,7 +16,7 @@ Options in `FwdConfig` (off by default):
     producer issues the next tile's first K before its Q, and when shared memory allows (`separate_o`) O gets its own
     buffer, so the next Q lands while this tile's last PV GEMM and epilogue run; otherwise O stays over Q and the next
     Q waits until the TMA store has read it;
-  * `rescale_before_pv`, `exp2_poly`, `early_block_index`: see `FwdConfig`.
+  * `rescale_before_pv`, `exp2_poly`, `early_block_index`, `mask_early`: see `FwdConfig`.
 Debug-only stage removal (`FwdConfig.ablate`, names in `config.ABLATIONS`) is confined to `ablated(...)` checks in
 `load_kv`, `overlapped_step`, the first/last block of `consume_tile`, `mod_scores`, `OnlineSoftmax` and `epilogue`.
 """
@@ -39,7 +39,7 @@ from cutlass.tensor_utils import LayoutEnum
 from .block_sparse import KvSchedule
 from .config import FwdConfig
 from .layout import as_operand_a, bshd_view, convert_to_16bit, rows_view, tma_tiles, transpose_smem
-from .mask import apply_mask_mod, mask_kv_tail
+from .mask import apply_mask_bits, apply_mask_mod, mask_kv_tail, mask_mod_bits
 from .named_barrier import FwdBarrier
 from .score_mod import apply_score_mod
 from .softmax import OnlineSoftmax, rescale_rows
@@ -394,8 +394,10 @@ class FlexFwdSm90:
         with_softmax = not self.ablated("softmax")
         prev = state.clone()
         state.advance()
+        early_mask = cutlass.const_expr(self.cfg.mask_early and use_mask_mod and self.mask_mod is not None
+                                        and not self.ablated("mask_mod"))
         n_block = Int32(0)
-        if cutlass.const_expr(self.cfg.early_block_index):
+        if cutlass.const_expr(self.cfg.early_block_index or early_mask):
             n_block = sched.block(i)  # an index load issued before the waits, so its latency hides behind them
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
         pipe_k.consumer_wait(state)
@@ -407,11 +409,19 @@ class FlexFwdSm90:
         if cutlass.const_expr(not no_pv):
             wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, prev.index], False, 0 if serial else -1)
         self.pass_turn(wg)
+        keep_bits = None
+        if cutlass.const_expr(early_mask):
+            keep_bits = cute.make_rmem_tensor(-(-cute.size(acc_S) // 32), cutlass.Uint32)
+            batch, head, q_start, q_last, kv_last = mods[0], mods[1], mods[2], mods[3], mods[4]
+            mask_mod_bits(keep_bits, coords, self.mask_mod, batch, head, q_start, n_block * self.tile_n, q_last,
+                          kv_last, self.clamp_indices, mods[6], mods[7])
         warpgroup.wait_group(0 if no_pv else 1)  # S_i ready; PV still on the tensor cores
         pipe_k.consumer_release(state)
-        if cutlass.const_expr(not self.cfg.early_block_index):
+        if cutlass.const_expr(not (self.cfg.early_block_index or early_mask)):
             n_block = sched.block(i)
-        self.mod_scores(acc_S, coords, n_block, seqlen_k, mods, use_mask_mod, tail)
+        self.mod_scores(acc_S, coords, n_block, seqlen_k, mods, use_mask_mod and not early_mask, tail)
+        if cutlass.const_expr(early_mask):
+            apply_mask_bits(acc_S, keep_bits)
         if cutlass.const_expr(with_softmax):
             softmax.step(acc_S, row_scale)
         warpgroup.wait_group(0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Uint32
 
 
 @cute.jit
@@ -34,4 +34,36 @@ def apply_mask_mod(acc_s: cute.Tensor, coords: cute.Tensor, mask_mod: cutlass.Co
             q_idx = cutlass.min(q_idx, q_last)
             kv_idx = cutlass.min(kv_idx, kv_last)
         keep = mask_mod(batch, head, q_idx, kv_idx, aux_tensors, aux_scalars)
+        acc_s[i] = acc_s[i] if keep else -Float32.inf
+
+
+@cute.jit
+def mask_mod_bits(bits: cute.Tensor, coords: cute.Tensor, mask_mod: cutlass.Constexpr, batch: Int32, head: Int32,
+                  q_start: Int32, kv_start: Int32, q_last: Int32, kv_last: Int32, clamp: cutlass.Constexpr[bool],
+                  aux_tensors, aux_scalars):
+    """mask_mod of every element of `coords` into bit i % 32 of word i // 32 of `bits` (Uint32 registers).
+
+    Needs no scores, so the kernel can run it while the QK GEMM is still on the tensor cores: the loads of captured
+    tensors (a document id per row and per column) then wait behind the GEMM instead of after it.
+    """
+    n = cute.size(coords)
+    for w in cutlass.range_constexpr(cute.size(bits)):
+        word = Uint32(0)
+        for j in cutlass.range_constexpr(32):
+            if cutlass.const_expr(w * 32 + j < n):
+                q_idx = q_start + coords[w * 32 + j][0]
+                kv_idx = kv_start + coords[w * 32 + j][1]
+                if cutlass.const_expr(clamp):
+                    q_idx = cutlass.min(q_idx, q_last)
+                    kv_idx = cutlass.min(kv_idx, kv_last)
+                keep = mask_mod(batch, head, q_idx, kv_idx, aux_tensors, aux_scalars)
+                word = word | cutlass.select_(keep, Uint32(1 << j), Uint32(0))
+        bits[w] = word
+
+
+@cute.jit
+def apply_mask_bits(acc_s: cute.Tensor, bits: cute.Tensor):
+    """-inf where `mask_mod_bits` left a 0 bit."""
+    for i in cutlass.range_constexpr(cute.size(acc_s)):
+        keep = (bits[i // 32] & Uint32(1 << (i % 32))) != Uint32(0)
         acc_s[i] = acc_s[i] if keep else -Float32.inf

@@ -117,6 +117,8 @@ def variants_for(row, base, num_sms: int) -> list[Variant]:
     if has_mask:
         cand.append(Variant("early_block_index", "candidate", rep(base, early_block_index=True),
                             "KV block index read before the K wait"))
+        cand.append(Variant("mask_early", "candidate", rep(base, mask_early=True),
+                            "partial blocks: mask_mod into bit masks while the QK GEMM runs"))
     combo = dict(persistent_ctas=num_sms, rescale_before_pv=True, early_block_index=has_mask,
                  exp2_poly=2 if row.D == 64 else 0)
     cand.append(Variant("combo", "candidate", rep(base, **combo), "persistent + rescale_before_pv"

@@ -83,3 +83,15 @@ def test_every_ablation_at_once():
     assert "cp.async.bulk.tensor.4d.global.shared" not in ptx  # no O store
     assert "div.rn.f32" not in ptx and "div.rn.f32" in baseline  # no score_mod (the soft-cap divides by its cap)
     assert ptx.count("ex2.approx") < baseline.count("ex2.approx")
+
+
+@pytest.mark.parametrize("D", [128, 64])
+def test_mask_evaluated_while_the_qk_gemm_runs(D):
+    """`mask_early`: the partial blocks' mask_mod goes into bit masks between issuing the GEMMs and waiting for S, so
+    the captured tensor's loads sit before the first `wgmma.wait_group` of the loop body; still no spills."""
+    cfg = dataclasses.replace(default_config(D, True, True), mask_early=True)
+    ptx, report = _compile(cfg, "flex")
+    _sound(ptx, report)
+    base, _ = _compile(default_config(D, True, True), "flex")
+    loads = len(re.findall(r"ld\.global[^\n]*\.(?:u32|b32|s32)", ptx))
+    assert loads >= len(re.findall(r"ld\.global[^\n]*\.(?:u32|b32|s32)", base)) > 0
