@@ -21,6 +21,9 @@ faster than them. `default_bwd_config` picks `tile_m` per call (128 at D=64 wher
                   register operand spill at D=128;
   kv_tiles_first  grid x = KV tiles: the CTAs of one (batch, head) run side by side and share Q, dO and the dQ
                   accumulator in L2, instead of one or two KV tiles of every head at a time;
+  mask_early      on partial blocks, mask_mod is evaluated into bit masks while the S^T GEMM runs, so the loads of
+                  captured tensors it reads (document ids) wait behind the GEMM instead of in front of the softmax
+                  (on with 128-row steps; with 64-row steps at D=128 it spills 8-12 bytes);
   dq_split_rows   each consumer warpgroup computes 64 query rows of the dQ partial over the whole head dim (wgmma
                   N = head_dim) instead of all tile_m rows over head_dim / warpgroups columns (N = 32 at D=64, where
                   the shared-memory A operand limits the tensor cores); needs tile_m = 64 * warpgroups.
@@ -50,6 +53,7 @@ class BwdConfig:
     dk_after_dq: bool = False
     kv_tiles_first: bool = True
     dq_split_rows: bool = False
+    mask_early: bool = False
 
     @property
     def num_consumer_wgs(self) -> int:
@@ -128,12 +132,12 @@ def default_bwd_config(head_dim: int, deterministic: bool = False, mod_grads: bo
       against 1.3-2.3x with heads first (bwd_det_h200_2026-11-30.json);
     - at head_dim 64, 128-row Q steps (`D64_TILE_M`) unless the kernel works on every score for a score_mod
       derivative or captured-tensor gradients (`mod_grads`), and when the block mask's Q block (`q_block`, None
-      without a mask) is a multiple of 128.
+      without a mask) is a multiple of 128; those evaluate mask_mod early (`mask_early`).
     """
     tile_m = 64
     if head_dim == 64 and not mod_grads and (q_block is None or q_block % D64_TILE_M == 0):
         tile_m = D64_TILE_M
-    return BwdConfig(head_dim=head_dim, tile_m=tile_m, kv_tiles_first=not deterministic)
+    return BwdConfig(head_dim=head_dim, tile_m=tile_m, kv_tiles_first=not deterministic, mask_early=tile_m == 128)
 
 
 def shares_block_mask_with_forward(head_dim: int, block_size: int = 128) -> bool:
@@ -160,6 +164,8 @@ def candidate_bwd_configs(head_dim: int, deterministic: bool = False,
         "neither": replace(base, stats_in_smem=False, kv_tiles_first=False),  # the default before 2026-11-30
         "dk_after_dq": replace(base, dk_after_dq=True),
         "stages3": replace(base, num_stages=3),
+        # mask_mod before or after the S^T wait, whichever the default does not do
+        "mask_late" if base.mask_early else "mask_early": replace(base, mask_early=not base.mask_early),
     }
     if deterministic:  # `neither` is then the other order with global stats: not a new question
         del cands["neither"]

@@ -73,6 +73,7 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         # tile and warpgroup half), so the fp32 sums, and so dQ, are the same bits on every run.
         self.deterministic = deterministic
         self.tile_m, self.tile_n, self.head_dim = cfg.tile_m, cfg.tile_n, cfg.head_dim
+        self.mask_early = cfg.mask_early
         self.num_stages = cfg.num_stages
         self.num_wg = cfg.num_consumer_wgs
         self.num_consumer_threads = 128 * self.num_wg

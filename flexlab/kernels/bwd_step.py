@@ -20,7 +20,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .fwd_sm90 import wgmma
 from .layout import as_operand_a, convert_to_16bit, rows_view
-from .mask import apply_mask_mod, mask_kv_tail
+from .mask import apply_mask_bits, apply_mask_mod, mask_kv_tail, mask_mod_bits
 from .named_barrier import BwdBarrier
 from .score_mod import apply_score_mod
 
@@ -66,6 +66,16 @@ class BwdStep:
         wgmma(tiled_mma_sdp, acc_S, ops.tSrK, ops.tSrQ[None, None, None, stage], True, -1)
         if cutlass.const_expr(not self.lean):
             wgmma(tiled_mma_sdp, acc_dP, ops.tPrV, ops.tPrdO[None, None, None, stage], True, -1)
+        early_mask = cutlass.const_expr(self.mask_early and self.mask_mod is not None)
+        keep_bits = None
+        if cutlass.const_expr(early_mask):
+            # mask_mod into bit masks while S^T is on the tensor cores: the loads of captured tensors it reads then
+            # wait behind the GEMM, not in front of the softmax (FwdConfig.mask_early, the same in the forward).
+            keep_bits = cute.make_rmem_tensor(-(-cute.size(acc_S) // 32), cutlass.Uint32)
+            if partial:
+                mask_mod_bits(keep_bits, coords, self.mask_mod, batch, head, q_start, kv_start, q_last, kv_last,
+                              self.clamp_indices, aux_tensors, aux_scalars)
+        if cutlass.const_expr(not self.lean):
             warpgroup.wait_group(1)  # S^T is ready; dP^T is still on the tensor cores
         else:
             warpgroup.wait_group(0)
@@ -79,8 +89,11 @@ class BwdStep:
                             kv_last, self.clamp_indices, aux_tensors, aux_scalars)
         if cutlass.const_expr(self.mask_mod is not None):
             if partial:
-                apply_mask_mod(acc_S, coords, self.mask_mod, batch, head, q_start, kv_start, q_last, kv_last,
-                               self.clamp_indices, aux_tensors, aux_scalars)
+                if cutlass.const_expr(early_mask):
+                    apply_mask_bits(acc_S, keep_bits)
+                else:
+                    apply_mask_mod(acc_S, coords, self.mask_mod, batch, head, q_start, kv_start, q_last, kv_last,
+                                   self.clamp_indices, aux_tensors, aux_scalars)
         if kv_start + self.tile_n > seqlen_k:
             mask_kv_tail(acc_S, coords, kv_start, seqlen_k)
 

@@ -85,3 +85,11 @@ def test_options_are_validated_and_fit():
         cfg = dataclasses.replace(default_config(D), persistent_ctas=132)
         assert cfg.feasibility_error() is None, (D, cfg.feasibility_error())
     assert FwdConfig(head_dim=64, tile_m=192, num_stages=3).feasibility_error() is None
+
+
+def test_block_sparse_defaults_evaluate_the_mask_early_where_registers_allow():
+    from flexlab.kernels.config import default_config
+    assert default_config(128, block_sparse=True).mask_early
+    assert default_config(64, block_sparse=True, has_score_mod=True).mask_early  # 128-row tiles, 240 registers
+    assert not default_config(64, block_sparse=True).mask_early  # 192-row tiles: 160 registers, it spills there
+    assert not default_config(128).mask_early  # dense: no partial blocks
