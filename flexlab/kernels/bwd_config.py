@@ -23,7 +23,8 @@ faster than them. `default_bwd_config` picks `tile_m` per call (128 at D=64 wher
                   accumulator in L2, instead of one or two KV tiles of every head at a time;
   mask_early      on partial blocks, mask_mod is evaluated into bit masks while the S^T GEMM runs, so the loads of
                   captured tensors it reads (document ids) wait behind the GEMM instead of in front of the softmax
-                  (on with 128-row steps; with 64-row steps at D=128 it spills 8-12 bytes);
+                  (measured and not used: 0.93x at D=64 and 0.98x at D=128 on the document rows,
+                  benchmarks/results/mask_early_h200_2026-11-30.json; with 64-row steps at D=128 it spills);
   dq_split_rows   each consumer warpgroup computes 64 query rows of the dQ partial over the whole head dim (wgmma
                   N = head_dim) instead of all tile_m rows over head_dim / warpgroups columns (N = 32 at D=64, where
                   the shared-memory A operand limits the tensor cores); needs tile_m = 64 * warpgroups.
@@ -132,12 +133,12 @@ def default_bwd_config(head_dim: int, deterministic: bool = False, mod_grads: bo
       against 1.3-2.3x with heads first (bwd_det_h200_2026-11-30.json);
     - at head_dim 64, 128-row Q steps (`D64_TILE_M`) unless the kernel works on every score for a score_mod
       derivative or captured-tensor gradients (`mod_grads`), and when the block mask's Q block (`q_block`, None
-      without a mask) is a multiple of 128; those evaluate mask_mod early (`mask_early`).
+      without a mask) is a multiple of 128.
     """
     tile_m = 64
     if head_dim == 64 and not mod_grads and (q_block is None or q_block % D64_TILE_M == 0):
         tile_m = D64_TILE_M
-    return BwdConfig(head_dim=head_dim, tile_m=tile_m, kv_tiles_first=not deterministic, mask_early=tile_m == 128)
+    return BwdConfig(head_dim=head_dim, tile_m=tile_m, kv_tiles_first=not deterministic)
 
 
 def shares_block_mask_with_forward(head_dim: int, block_size: int = 128) -> bool:

@@ -16,7 +16,7 @@ option means changing `default_config` or a knob here, with the sweep's numbers 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 SMEM_BYTES_SM90 = 227 * 1024  # dynamic shared memory one CTA may use on H100/H200
 REGISTERS_PER_SM = 64 * 1024
@@ -67,8 +67,9 @@ class FwdConfig:
     exp2_poly: int = 0  # of every 8 scores of a row fragment, how many take exp2 as an FMA polynomial, not MUFU
     rescale_before_pv: bool = False  # rescale O by the previous row scale while QK runs (FA4 does it for D>128)
     early_block_index: bool = False  # read the next KV block index before waiting on its K (block-sparse)
-    # Partial blocks: mask_mod into bit masks while the QK GEMM runs (reads the block index early too). On for every
-    # block-sparse default configuration (`default_config`).
+    # Partial blocks: mask_mod into bit masks while the QK GEMM runs (reads the block index early too). H200, 2026-11-30:
+    # 0.98x on the document rows, 1.01-1.02x on sliding windows (benchmarks/results/mask_early_h200_2026-11-30.json);
+    # with 192-row tiles (160 registers per thread) it spills.
     mask_early: bool = False
     # Debug only, never set by the public API: stages removed for timing (names in ABLATIONS; results are wrong).
     ablate: tuple[str, ...] = ()
@@ -157,15 +158,8 @@ def default_config(head_dim: int, block_sparse: bool = False, has_score_mod: boo
 
     D=64 without a score_mod uses 192-row tiles (three consumer warpgroups), also under a block mask at torch's
     default 128 block size unless `D64_SPARSE_TILE_M` says 128; a score_mod's extra registers spill at 160 per
-    thread, so it gets 128-row tiles. Block-sparse configurations with up to two consumer warpgroups evaluate mask_mod
-    early (`FwdConfig.mask_early`).
+    thread, so it gets 128-row tiles.
     """
-    cfg = _default_shape(head_dim, block_sparse, has_score_mod, seqlen_k)
-    # The bit masks need registers the 192-row tiles (160 per thread) do not have: they spill there.
-    return replace(cfg, mask_early=True) if block_sparse and cfg.num_consumer_wgs <= 2 else cfg
-
-
-def _default_shape(head_dim: int, block_sparse: bool, has_score_mod: bool, seqlen_k: int | None) -> FwdConfig:
     if head_dim <= 64:
         if not block_sparse and not has_score_mod:  # H200, B4 S4k: 496 TFLOP/s vs 465 with 2 stages, 430 at 128 rows
             return FwdConfig(head_dim=64, tile_m=192, tile_n=128, num_stages=3)

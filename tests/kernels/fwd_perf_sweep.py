@@ -117,9 +117,9 @@ def variants_for(row, base, num_sms: int) -> list[Variant]:
     if has_mask:
         cand.append(Variant("early_block_index", "candidate", rep(base, early_block_index=True),
                             "KV block index read before the K wait"))
-    if has_mask and base.mask_early:
-        cand.append(Variant("mask_late", "candidate", rep(base, mask_early=False),
-                            "partial blocks: mask_mod after the S wait (the default before 2026-11-30)"))
+    if has_mask:
+        cand.append(Variant("mask_early", "candidate", rep(base, mask_early=True),
+                            "partial blocks: mask_mod into bit masks while the QK GEMM runs"))
     combo = dict(persistent_ctas=num_sms, rescale_before_pv=True, early_block_index=has_mask,
                  exp2_poly=2 if row.D == 64 else 0)
     cand.append(Variant("combo", "candidate", rep(base, **combo), "persistent + rescale_before_pv"

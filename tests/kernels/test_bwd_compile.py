@@ -317,8 +317,8 @@ def test_score_grad_identity_is_read_from_the_derivative():
 @pytest.mark.parametrize("D", [64, 128])
 def test_document_mask_reading_a_captured_tensor_has_no_spills(D):
     """The launcher's configuration for a packed-document mask (two gathers of a captured id tensor per element, on
-    partial blocks; at D=64 evaluated before the S^T wait) fits its registers: no spills at D=64, the 4 bytes
-    measured at D=128 (the mask bits before the wait: 0 there, but 12 bytes with a plain causal mask) as a ceiling."""
+    partial blocks) nearly fits its registers: the 8 / 4 bytes of spills measured at D=64 / 128 are the ceiling (the
+    variant without them, `mask_early`, ran 0.93x at D=64 on the H200)."""
     from flexlab.codegen import generate
     from flexlab.kernels.bwd_launch import compile_main, config_for
     doc = torch.arange(4096, dtype=torch.int32) // 500
@@ -328,11 +328,8 @@ def test_document_mask_reading_a_captured_tensor_has_no_spills(D):
 
     g = generate(None, document_causal, fastmath=True)
     cfg = config_for(D, False, g, False, 128)
-    assert cfg.mask_early == (D == 64)
     key = _main_key(D, True, g)
     assert key.config == cfg
     _, report = _assemble(compile_main(key, g.module(), options=" --keep-ptx"))
-    if D == 64:
-        _no_spills(report)
-    else:
-        assert report["spill_stores"] <= 4 and report["spill_loads"] <= 4, report
+    ceiling = {64: 8, 128: 4}[D]
+    assert report["spill_stores"] <= ceiling and report["spill_loads"] <= ceiling, report

@@ -21,8 +21,7 @@ def test_default_options_and_candidates_fit():
     from flexlab.kernels.bwd_config import BwdConfig, candidate_bwd_configs, default_bwd_config
     for D in (64, 128):
         cfg = default_bwd_config(D)
-        assert cfg == BwdConfig(head_dim=D, tile_m=128 if D == 64 else 64, tile_n=128, num_stages=2,
-                                mask_early=D == 64)
+        assert cfg == BwdConfig(head_dim=D, tile_m=128 if D == 64 else 64, tile_n=128, num_stages=2)
         assert cfg.stats_in_smem and cfg.kv_tiles_first and not (cfg.dk_after_dq or cfg.dq_split_rows)
         det = default_bwd_config(D, deterministic=True)  # the fixed-order dQ reduction wants heads first
         assert det.stats_in_smem and not det.kv_tiles_first
@@ -82,9 +81,8 @@ CELLS = [  # (name, head dim, options, kernel flavour): each option in a few fla
     ("tile_m128-dq_rows-mask", 64, dict(tile_m=128, dq_split_rows=True), "mask"),
     # With a score_mod, 128-row tiles at D=64 spill (~150 B; 120 B with stats_in_smem) unless combined with the
     # other options (bwd_option_report.py has the whole matrix)
-    # (with the early mask bits this one spills ~12 B more, so it runs with mask_early off)
     ("combined-bias-d64", 64, dict(stats_in_smem=True, dk_after_dq=True, kv_tiles_first=True, tile_m=128,
-                                   dq_split_rows=True, mask_early=False), "bias"),
+                                   dq_split_rows=True), "bias"),
     # (deterministic + block mask at D=128 spills 8 B already with the default 2 stages: not this option's doing)
     ("stages3-mask", 128, dict(num_stages=3), "mask"),
     ("stages3-det", 128, dict(num_stages=3), "det"),
