@@ -156,20 +156,22 @@ def support_and_captured_grad(device, dtype, head_dim: int, v_head_dim: int, sco
     if head_dim not in _HEAD_DIMS or v_head_dim != head_dim:
         return (f"head dim {head_dim} (value {v_head_dim}) unsupported; supported: {_HEAD_DIMS}, equal for q/k/v",
                 False)
+    mask_mod = _real_mask(mask_mod)
+    low = None
+    if score_mod is not None or mask_mod is not None:
+        try:
+            low = _lowered(score_mod, mask_mod)
+        except UnsupportedModError as e:
+            return str(e), False
+        except ImportError as e:
+            return f"the code generator cannot run: {e}", False
     if block_size is not None:
-        reason = _mask_reason(block_size, head_dim)
+        # the tile the launcher will pick depends on the mods (`kernels.config.default_config`)
+        reason = (_mask_reason(block_size, head_dim) if low is None else
+                  _mask_reason(block_size, head_dim, low.mods.score_mod is not None, bool(low.aux_tensors)))
         if reason:
             return reason, False
-    mask_mod = _real_mask(mask_mod)
-    if score_mod is None and mask_mod is None:
-        return "", False
-    try:
-        low = _lowered(score_mod, mask_mod)
-    except UnsupportedModError as e:
-        return str(e), False
-    except ImportError as e:
-        return f"the code generator cannot run: {e}", False
-    return "", any(t.requires_grad for t in low.captured)
+    return "", low is not None and any(t.requires_grad for t in low.captured)
 
 
 def is_supported(q, k, v, score_mod, block_mask, scale, enable_gqa) -> tuple[bool, str]:
@@ -200,13 +202,14 @@ def captured_requires_grad(score_mod, mask_mod) -> bool:
 _MASK_REASON: dict = {}
 
 
-def _mask_reason(block_size, head_dim: int) -> str:
-    key = (tuple(block_size), head_dim)  # a BlockMask's BLOCK_SIZE is a tuple of ints: tuple() returns it as is
+def _mask_reason(block_size, head_dim: int, has_score_mod: bool = False, captured_tensors: bool = False) -> str:
+    # a BlockMask's BLOCK_SIZE is a tuple of ints: tuple() returns it as is
+    key = (tuple(block_size), head_dim, has_score_mod, captured_tensors)
     reason = _MASK_REASON.get(key)
     if reason is None:
         from ..kernels.config import default_config
         from ..runtime.sparsity import block_size_incompatibility
-        cfg = default_config(head_dim, block_sparse=True)
+        cfg = default_config(head_dim, True, has_score_mod, captured_tensors=captured_tensors)
         reason = block_size_incompatibility(tuple(int(x) for x in block_size), cfg.tile_m, cfg.tile_n) or ""
         _MASK_REASON[key] = reason
     return reason

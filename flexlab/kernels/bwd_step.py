@@ -141,13 +141,15 @@ class BwdStep:
         if cutlass.const_expr(self.dk_after_dq):
             # dQ first, then dK; waiting for all but the newest group leaves dK on the tensor cores while the dQ
             # partial goes to shared memory and TMA. The stage (Q is dK's B operand) is released once dK is done.
-            wgmma(tiled_mma_dq, acc_dQ, ops.tQrdS[None, None, None, cute.arch.make_warp_uniform(ds_index)], ops.tQrKt, True, -1)
+            ds_stage = cute.arch.make_warp_uniform(ds_index)
+            wgmma(tiled_mma_dq, acc_dQ, ops.tQrdS[None, None, None, ds_stage], ops.tQrKt, True, -1)
             wgmma(tiled_mma_dkv, acc_dK, as_operand_a(rdS), ops.tKrQt[None, None, None, stage], False, 1)
             self.reduce_dq(acc_dQ, ops.tdQsdQ, tdQs, tdQg, tma_dq, m_block, order, batch, head, wg)
             warpgroup.wait_group(0)
             pipe_qdo.consumer_release(state)
         else:
-            wgmma(tiled_mma_dq, acc_dQ, ops.tQrdS[None, None, None, cute.arch.make_warp_uniform(ds_index)], ops.tQrKt, True, 0)
+            ds_stage = cute.arch.make_warp_uniform(ds_index)
+            wgmma(tiled_mma_dq, acc_dQ, ops.tQrdS[None, None, None, ds_stage], ops.tQrKt, True, 0)
             pipe_qdo.consumer_release(state)
             self.reduce_dq(acc_dQ, ops.tdQsdQ, tdQs, tdQg, tma_dq, m_block, order, batch, head, wg)
 

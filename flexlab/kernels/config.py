@@ -67,9 +67,9 @@ class FwdConfig:
     exp2_poly: int = 0  # of every 8 scores of a row fragment, how many take exp2 as an FMA polynomial, not MUFU
     rescale_before_pv: bool = False  # rescale O by the previous row scale while QK runs (FA4 does it for D>128)
     early_block_index: bool = False  # read the next KV block index before waiting on its K (block-sparse)
-    # Partial blocks: mask_mod into bit masks while the QK GEMM runs (reads the block index early too). H200, 2026-11-30:
-    # 0.98x on the document rows, 1.01-1.02x on sliding windows (benchmarks/results/mask_early_h200_2026-11-30.json);
-    # with 192-row tiles (160 registers per thread) it spills.
+    # Partial blocks: mask_mod into bit masks while the QK GEMM runs (reads the block index early too). H200,
+    # 2026-11-30: 0.98x on the document rows, 1.01-1.02x on sliding windows
+    # (benchmarks/results/mask_early_h200_2026-11-30.json); with 192-row tiles (160 registers per thread) it spills.
     mask_early: bool = False
     # Debug only, never set by the public API: stages removed for timing (names in ABLATIONS; results are wrong).
     ablate: tuple[str, ...] = ()
@@ -153,17 +153,18 @@ class FwdConfig:
 
 
 def default_config(head_dim: int, block_sparse: bool = False, has_score_mod: bool = False,
-                   seqlen_k: int | None = None) -> FwdConfig:
+                   seqlen_k: int | None = None, captured_tensors: bool = False) -> FwdConfig:
     """Tile shape per head dim (and, through `D128_STAGES_FROM_SEQLEN`, per key length).
 
     D=64 without a score_mod uses 192-row tiles (three consumer warpgroups), also under a block mask at torch's
     default 128 block size unless `D64_SPARSE_TILE_M` says 128; a score_mod's extra registers spill at 160 per
-    thread, so it gets 128-row tiles.
+    thread, so it gets 128-row tiles, and so do mods that read captured tensors (`captured_tensors`: a document mask
+    at 192 rows spills 56 bytes, the clamped gathers' addresses).
     """
     if head_dim <= 64:
         if not block_sparse and not has_score_mod:  # H200, B4 S4k: 496 TFLOP/s vs 465 with 2 stages, 430 at 128 rows
             return FwdConfig(head_dim=64, tile_m=192, tile_n=128, num_stages=3)
-        if block_sparse and not has_score_mod and D64_SPARSE_TILE_M == 192:
+        if block_sparse and not has_score_mod and not captured_tensors and D64_SPARSE_TILE_M == 192:
             return FwdConfig(head_dim=64, tile_m=192, tile_n=128, num_stages=3)
         return FwdConfig(head_dim=64, tile_m=128, tile_n=128, num_stages=2)
     if head_dim <= 128:  # H200, B1 S16k: 633 TFLOP/s; tile_n=176 gave 635 (noise)

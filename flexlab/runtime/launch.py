@@ -48,12 +48,13 @@ def config_for(head_dim: int, sparse: bool, mods: KernelMods, seqlen_k: int | No
     which are read when a configuration is first chosen: set them before the first call); `num_sms` > 0 makes it
     persistent when `kernels.config.PERSISTENT` is on."""
     return _config(head_dim, sparse, mods.score_mod is not None, d128_stages(seqlen_k) if head_dim == 128 else 0,
-                   num_sms if _policy.PERSISTENT else 0)
+                   num_sms if _policy.PERSISTENT else 0, bool(mods.aux_tensor_specs))
 
 
 @lru_cache(maxsize=None)
-def _config(head_dim: int, sparse: bool, has_score_mod: bool, d128_stage_count: int, persistent_ctas: int):
-    cfg = default_config(head_dim, sparse, has_score_mod)
+def _config(head_dim: int, sparse: bool, has_score_mod: bool, d128_stage_count: int, persistent_ctas: int,
+            captured_tensors: bool = False):
+    cfg = default_config(head_dim, sparse, has_score_mod, captured_tensors=captured_tensors)
     if head_dim == 128 and d128_stage_count != cfg.num_stages:
         cfg = dataclasses.replace(cfg, num_stages=d128_stage_count)
     if persistent_ctas:

@@ -46,7 +46,9 @@ def kernels(case):
     """The three kernels `backward` would use for a bf16 D=64 problem: dense, or with the soft-cap score_mod."""
     g = generate(softcap, None, fastmath=True) if case == "softcap" else None
     aux = tuple(g.kernel_aux_tensors()) if g is not None else ()
-    return bwd_launch._kernels(g, (), aux, torch.bfloat16, bwd_launch._config(64, False, False, None), False, False, False, "sm_90a")
+    cfg = bwd_launch._config(64, False, False, None)
+    return bwd_launch._kernels(g, (), aux, torch.bfloat16, cfg, False, False, False, "sm_90a")
+
 
 def signature(fn):
     """The compiled TVM-FFI signature of a loaded kernel, from the error a call with CPU tensors gets."""

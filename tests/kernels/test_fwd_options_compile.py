@@ -27,6 +27,8 @@ def _mods(kind: str):
         return KernelMods(), False
     if kind == "causal":
         return KernelMods(None, causal_mask, "causal"), True
+    if kind == "document":
+        return KernelMods(None, document_mask, "doc", (("int32", 1),)), True
     # the heaviest flex case: a score_mod with a captured scalar, a mask_mod reading a captured tensor
     return KernelMods(softcap_score, document_mask, "softcap+doc", (("int32", 1),), ("float",)), True
 
@@ -95,3 +97,15 @@ def test_mask_evaluated_while_the_qk_gemm_runs(D):
     base, _ = _compile(default_config(D, True, True), "flex")
     loads = len(re.findall(r"ld\.global[^\n]*\.(?:u32|b32|s32)", ptx))
     assert loads >= len(re.findall(r"ld\.global[^\n]*\.(?:u32|b32|s32)", base)) > 0
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_launcher_config_for_a_document_mask_has_no_spills(D):
+    """A mask gathering from a captured tensor: at D=64 the launcher leaves the 192-row tiles (160 registers per
+    thread, where it spilled 56 bytes) for 128-row ones."""
+    from flexlab.runtime.launch import config_for
+    mods, _ = _mods("document")
+    cfg = config_for(D, True, mods)
+    assert cfg.tile_m == 128
+    _, report = _compile(cfg, "document")
+    _sound("", report)

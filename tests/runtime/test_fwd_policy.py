@@ -57,10 +57,18 @@ def test_d64_sparse_tile_knob(fresh_policy):
     assert default_config(64, block_sparse=True).tile_m == 128
     fresh_policy.setattr(policy, "D64_SPARSE_TILE_M", 192)
     assert default_config(64, block_sparse=True, has_score_mod=True).tile_m == 128  # 160 registers spill there
+    assert default_config(64, block_sparse=True, captured_tensors=True).tile_m == 128  # so does a document mask
+    documents = KernelMods(mask_mod=lambda *a: None, source_hash="doc", aux_tensor_specs=(("int32", 1),))
+    assert launch.config_for(64, True, documents).tile_m == 128
+    assert launch.config_for(64, True, KernelMods(mask_mod=lambda *a: None, source_hash="causal")).tile_m == 192
     from flexlab.backends import cute as backend
     fresh_policy.setattr(backend, "_MASK_REASON", {})
     assert backend._mask_reason((128, 128), 64) == ""  # a mask at torch's 128 still drives 192-row tiles (merged)
     assert "BLOCK_SIZE" in backend._mask_reason((128, 64), 64)
+    # 192-row tiles merge any Q block; the 128-row tiles of a score_mod or of a mask reading captured tensors do not
+    assert backend._mask_reason((96, 128), 64) == ""
+    assert "BLOCK_SIZE" in backend._mask_reason((96, 128), 64, has_score_mod=True)
+    assert "BLOCK_SIZE" in backend._mask_reason((96, 128), 64, captured_tensors=True)
 
 
 def test_ablations_are_canonical_and_checked():
