@@ -63,6 +63,10 @@ def literal(value, kind: str) -> str:
     return f"Float32({text})"
 
 
+# Index arguments the kernels only ever pass as >= 0: a gather at one of them needs no negative-index wrap.
+_NONNEGATIVE_INPUTS = frozenset(("b", "h", "q_idx", "kv_idx"))
+
+
 class FunctionEmitter:
     """Emits the body of one generated function; each node becomes at most one named temporary."""
 
@@ -218,6 +222,10 @@ class FunctionEmitter:
                 if index_node.op == "const":  # a literal index: wrap it here, clamp it in the kernel
                     c = index_node.attr[0]
                     raw = f"{size} - Int32({-c})" if c < 0 else raw
+                    self.lines.append(f"{wrapped} = cutlass.max(cutlass.min({raw}, {size} - Int32(1)), Int32(0))")
+                elif index_node.op == "input" and index_node.attr[0] in _NONNEGATIVE_INPUTS:
+                    # b, h, q_idx, kv_idx are never negative in a kernel, so torch's negative-index wrap is dead
+                    # code there: only the clamp remains (padded rows and columns past the sequence)
                     self.lines.append(f"{wrapped} = cutlass.max(cutlass.min({raw}, {size} - Int32(1)), Int32(0))")
                 else:
                     self.lines.append(f"{wrapped} = Int32(cutlass.select_({raw} < Int32(0), {raw} + {size}, {raw}))")

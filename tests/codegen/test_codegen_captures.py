@@ -206,3 +206,21 @@ def test_hash_and_source_are_identical_across_processes():
             ((name, generate(*mods)) for name, mods in sorted(cases(seed=2).items()))}
     assert other == mine  # different captured data (seeds), same structure: same hash and bytes
     assert len({h for h, _ in mine.values()}) == len(mine)
+
+
+def test_gathers_at_kernel_indices_skip_the_negative_index_wrap():
+    """q_idx, kv_idx, b and h are never negative in a kernel, so a gather at one of them is only clamped; an index
+    computed from them (which can be negative, as in torch) keeps the wrap."""
+    doc = torch.zeros(64, dtype=torch.int32)
+    bias = torch.zeros(127)
+
+    def same_document(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    def relative(score, b, h, q_idx, kv_idx):
+        return score + bias[kv_idx - q_idx]
+
+    masked = generate(None, same_document).source
+    assert "< Int32(0)" not in masked and masked.count("cutlass.min(") == 2
+    shifted = generate(relative, None).source
+    assert "< Int32(0)" in shifted  # torch's wrap of a negative offset
