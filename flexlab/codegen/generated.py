@@ -99,6 +99,21 @@ class GeneratedMods:
         root = self._traced.mask_root
         return root is not None and not (self._graph.is_const(root) and self._graph.const_value(root) is True)
 
+    @functools.cached_property
+    def mask_op_count(self) -> int:
+        """Operations (not inputs or constants) in the mask_mod's expression: a measure of how many registers its
+        per-element evaluation keeps live, which the kernels' tile choice reads."""
+        root = self._traced.mask_root
+        if not self.has_mask_mod:
+            return 0
+        nodes, seen, stack = self._graph.nodes, set(), [root]
+        while stack:
+            i = stack.pop()
+            if i not in seen:
+                seen.add(i)
+                stack.extend(j for j in nodes[i].args if isinstance(j, int))
+        return sum(1 for i in seen if nodes[i].op not in ("input", "const", "scalar"))
+
     @property
     def aux_tensors(self) -> list[torch.Tensor]:
         return [t.tensor for t in self._graph.aux_tensors]

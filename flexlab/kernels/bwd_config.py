@@ -41,6 +41,10 @@ BWD_HEAD_DIMS = (64, 128)
 # 0.78x with soft-capping, whose derivative keeps the raw scores live; captured-tensor gradients double the per-step
 # work the same way (unmeasured there, so they keep 64).
 D64_TILE_M = 128
+# ... and not for masks of more than this many operations: with 64 scores per thread per step, the gallery's block
+# diffusion, 2-D neighbourhood and sliding-tile masks (19-39 operations) spilled 240-500 bytes, none at 64 rows
+# (benchmarks/results/gallery_backward_spills_2026-11-30.json).
+D64_MAX_MASK_OPS = 12
 
 
 @dataclass(frozen=True)
@@ -124,7 +128,7 @@ class BwdConfig:
 
 
 def default_bwd_config(head_dim: int, deterministic: bool = False, mod_grads: bool = False,
-                       q_block: int | None = None) -> BwdConfig:
+                       q_block: int | None = None, mask_ops: int = 0) -> BwdConfig:
     """The configuration the launcher runs: the dataclass defaults (see the module docstring for why), except
 
     - deterministic mode keeps the heads-first CTA order. There each KV tile waits for the lower KV tiles of its head
@@ -132,11 +136,13 @@ def default_bwd_config(head_dim: int, deterministic: bool = False, mod_grads: bo
       flexlab's default time on the sliding-window and document rows (benchmarks/results/bwd_all_h200_2026-11-30b.json),
       against 1.3-2.3x with heads first (bwd_det_h200_2026-11-30.json);
     - at head_dim 64, 128-row Q steps (`D64_TILE_M`) unless the kernel works on every score for a score_mod
-      derivative or captured-tensor gradients (`mod_grads`), and when the block mask's Q block (`q_block`, None
-      without a mask) is a multiple of 128.
+      derivative or captured-tensor gradients (`mod_grads`) or evaluates a mask_mod of more than
+      `D64_MAX_MASK_OPS` operations (`mask_ops`), and when the block mask's Q block (`q_block`, None without a mask)
+      is a multiple of 128.
     """
     tile_m = 64
-    if head_dim == 64 and not mod_grads and (q_block is None or q_block % D64_TILE_M == 0):
+    if (head_dim == 64 and not mod_grads and mask_ops <= D64_MAX_MASK_OPS
+            and (q_block is None or q_block % D64_TILE_M == 0)):
         tile_m = D64_TILE_M
     return BwdConfig(head_dim=head_dim, tile_m=tile_m, kv_tiles_first=not deterministic)
 

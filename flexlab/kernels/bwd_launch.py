@@ -247,13 +247,14 @@ def config_for(head_dim: int, deterministic: bool, g, aux_grads: bool, q_block: 
     """The configuration this call runs: `g` the generated mods (or None), `aux_grads` whether captured tensors get
     gradients, `q_block` the block mask's Q block size (None without a mask)."""
     mod_grads = bool(g is not None and g.has_score_mod and (aux_grads or not g.score_grad_is_identity))
-    return _config(head_dim, deterministic, mod_grads, q_block)
+    mask_ops = g.mask_op_count if g is not None and q_block is not None else 0  # no block mask: no mask_mod runs
+    return _config(head_dim, deterministic, mod_grads, q_block, mask_ops)
 
 
 @lru_cache(maxsize=None)
-def _config(head_dim: int, deterministic: bool, mod_grads: bool, q_block: int | None) -> BwdConfig:
+def _config(head_dim: int, deterministic: bool, mod_grads: bool, q_block: int | None, mask_ops: int = 0) -> BwdConfig:
     try:
-        return default_bwd_config(head_dim, deterministic, mod_grads, q_block).validate()
+        return default_bwd_config(head_dim, deterministic, mod_grads, q_block, mask_ops).validate()
     except ValueError as e:
         raise BackendUnavailableError(f"backend='cute' backward: {e}") from None
 

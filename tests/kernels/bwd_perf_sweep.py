@@ -268,7 +268,7 @@ def _kernel_times(fn, iters: int = 5) -> dict:
 def swap_config(bwd_launch, cfg) -> None:
     """Make the launcher run `cfg` for every head dim. `_config` itself is replaced: it memoises per head dim, so
     patching what it calls would leave every later case of one child on the first case's configuration."""
-    bwd_launch._config = lambda head_dim, deterministic, mod_grads, q_block: cfg.validate()
+    bwd_launch._config = lambda head_dim, deterministic, mod_grads, q_block, mask_ops=0: cfg.validate()
 
 
 def config_applied(bwd_launch, cfg, deterministic: bool) -> bool:

@@ -55,7 +55,8 @@ def _main_key(D, block_sparse=False, g=None, deterministic=False):
         return BwdKey("", False, False, False, (), (), (), "bfloat16", default_bwd_config(D), block_sparse,
                       deterministic)
     aux = g.kernel_aux_tensors()
-    cfg = config_for(D, deterministic, g, any(g.aux_requires_grad))  # as the launcher picks it
+    # as the launcher picks it for a mask at torch's default block size
+    cfg = config_for(D, deterministic, g, any(g.aux_requires_grad), 128 if block_sparse else None)
     return BwdKey(g.hash, g.has_score_mod, g.has_mask_mod, any(g.aux_requires_grad),
                   tuple((str(t.dtype).removeprefix("torch."), t.dim()) for t in aux),
                   tuple("float" if k == "float" else "int" for k in g.aux_scalar_kinds),
@@ -333,3 +334,23 @@ def test_document_mask_reading_a_captured_tensor_has_no_spills(D):
     _, report = _assemble(compile_main(key, g.module(), options=" --keep-ptx"))
     ceiling = {64: 8, 128: 4}[D]
     assert report["spill_stores"] <= ceiling and report["spill_loads"] <= ceiling, report
+
+
+def test_d64_heavy_masks_keep_64_row_steps_without_spills():
+    """A mask of many operations (the gallery's 2-D neighbourhood mask: 19) keeps 64-row steps at D=64, where its
+    backward has no spills (460 bytes with 128-row steps); the causal mask (1 operation) takes 128."""
+    from flexlab.codegen import generate
+    from flexlab.gallery import load_gallery
+    from flexlab.kernels.bwd_config import D64_MAX_MASK_OPS
+    from flexlab.kernels.bwd_launch import compile_main, config_for
+    mods = load_gallery()["natten_2d"].build(B=1, H=4, Q_LEN=1024, KV_LEN=1024)
+    g = generate(mods.score_mod, mods.mask_mod, fastmath=True)
+    assert g.mask_op_count > D64_MAX_MASK_OPS
+    assert config_for(64, False, g, False, 128).tile_m == 64
+    assert config_for(64, False, g, False, None).tile_m == 128  # without a block mask no mask_mod runs
+    causal = generate(None, lambda b, h, q, kv: q >= kv, fastmath=True)
+    assert causal.mask_op_count == 1 and config_for(64, False, causal, False, 128).tile_m == 128
+    key = _main_key(64, True, g)
+    assert key.config.tile_m == 64
+    _, report = _assemble(compile_main(key, g.module(), options=" --keep-ptx"))
+    _no_spills(report)

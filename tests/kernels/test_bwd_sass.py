@@ -14,7 +14,8 @@ def _loop(D: int, kind: str):
     from flexlab.kernels.bwd_launch import config_for
     from flexlab.viz.compile_report import report_from_ptx
     g, block_sparse, det = _mods(kind)
-    cfg = config_for(D, det, g, g is not None and any(g.aux_requires_grad))  # what the launcher runs for these mods
+    # what the launcher runs for these mods (a block mask at torch's default size)
+    cfg = config_for(D, det, g, g is not None and any(g.aux_requires_grad), 128 if block_sparse else None)
     rep = report_from_ptx(compile_ptx(key_for(cfg, g, block_sparse, det), g))
     if rep.missing:
         pytest.skip(f"needs {rep.missing}")
