@@ -2,8 +2,8 @@
 
 The backward CTA owns `tile_n` rows of K/V (64 per consumer warpgroup) and walks Q in `tile_m`-row steps, so a
 BlockMask drives it when its KV block size is a multiple of `tile_n` and its Q block size a multiple of `tile_m`.
-`tile_m` divides and `tile_n` equals the forward tiles of `config.default_config`, so one mask built at torch's
-default BLOCK_SIZE=128 serves both passes for every supported head dim (`shares_block_mask_with_forward`).
+`tile_m` (64 or 128) divides torch's default BLOCK_SIZE=128 and `tile_n` is 128, the forward's KV tile, so one mask
+built at that size serves both passes for every supported head dim (`shares_block_mask_with_forward`).
 
 The boolean fields are speed options; each setting is a separate compiled kernel, and
 `tests/kernels/bwd_perf_sweep.py` times and checks every candidate against the default on the H200. The default
