@@ -103,16 +103,11 @@ class GeneratedMods:
     def mask_op_count(self) -> int:
         """Operations (not inputs or constants) in the mask_mod's expression: a measure of how many registers its
         per-element evaluation keeps live, which the kernels' tile choice reads."""
-        root = self._traced.mask_root
         if not self.has_mask_mod:
             return 0
-        nodes, seen, stack = self._graph.nodes, set(), [root]
-        while stack:
-            i = stack.pop()
-            if i not in seen:
-                seen.add(i)
-                stack.extend(j for j in nodes[i].args if isinstance(j, int))
-        return sum(1 for i in seen if nodes[i].op not in ("input", "const", "scalar"))
+        nodes = self._graph.nodes
+        return sum(1 for i in self._graph.needed([self._traced.mask_root])
+                   if nodes[i].op not in ("input", "const", "scalar"))
 
     @property
     def aux_tensors(self) -> list[torch.Tensor]:

@@ -20,7 +20,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .fwd_sm90 import wgmma
 from .layout import as_operand_a, convert_to_16bit, rows_view
-from .mask import apply_mask_bits, apply_mask_mod, mask_kv_tail, mask_mod_bits
+from .mask import apply_mask_bits, apply_mask_mod, element_indices, mask_kv_tail, mask_mod_bits
 from .named_barrier import BwdBarrier
 from .score_mod import apply_score_mod
 
@@ -138,17 +138,16 @@ class BwdStep:
         self.wait_dq_slab_free()
         cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY), number_of_threads=self.num_consumer_threads)
         acc_dQ = cute.make_rmem_tensor(ops.dq_shape, Float32)
+        ds_stage = cute.arch.make_warp_uniform(ds_index)
         if cutlass.const_expr(self.dk_after_dq):
             # dQ first, then dK; waiting for all but the newest group leaves dK on the tensor cores while the dQ
             # partial goes to shared memory and TMA. The stage (Q is dK's B operand) is released once dK is done.
-            ds_stage = cute.arch.make_warp_uniform(ds_index)
             wgmma(tiled_mma_dq, acc_dQ, ops.tQrdS[None, None, None, ds_stage], ops.tQrKt, True, -1)
             wgmma(tiled_mma_dkv, acc_dK, as_operand_a(rdS), ops.tKrQt[None, None, None, stage], False, 1)
             self.reduce_dq(acc_dQ, ops.tdQsdQ, tdQs, tdQg, tma_dq, m_block, order, batch, head, wg)
             warpgroup.wait_group(0)
             pipe_qdo.consumer_release(state)
         else:
-            ds_stage = cute.arch.make_warp_uniform(ds_index)
             wgmma(tiled_mma_dq, acc_dQ, ops.tQrdS[None, None, None, ds_stage], ops.tQrKt, True, 0)
             pipe_qdo.consumer_release(state)
             self.reduce_dq(acc_dQ, ops.tdQsdQ, tdQs, tdQg, tma_dq, m_block, order, batch, head, wg)
@@ -169,11 +168,7 @@ class BwdStep:
         every element's address live since the forward mod ran (at D=64 that alone spilled 88 bytes)."""
         batch, head, q_start, kv_start = (opaque_i32(x) for x in (batch, head, q_start, kv_start))
         for i in cutlass.range_constexpr(cute.size(acc_ds)):
-            q_idx = q_start + coords[i][0]
-            kv_idx = kv_start + coords[i][1]
-            if cutlass.const_expr(self.clamp_indices):
-                q_idx = cutlass.min(q_idx, q_last)
-                kv_idx = cutlass.min(kv_idx, kv_last)
+            q_idx, kv_idx = element_indices(coords, i, q_start, kv_start, q_last, kv_last, self.clamp_indices)
             if cutlass.const_expr(self.aux_grad is not None):
                 self.aux_grad(acc_ds[i], raw[i], batch, head, q_idx, kv_idx, aux_tensors, aux_scalars, aux_grads)
             if cutlass.const_expr(self.score_mod_bwd is not None):

@@ -412,9 +412,9 @@ class FlexFwdSm90:
         keep_bits = None
         if cutlass.const_expr(early_mask):
             keep_bits = cute.make_rmem_tensor(-(-cute.size(acc_S) // 32), cutlass.Uint32)
-            batch, head, q_start, q_last, kv_last = mods[0], mods[1], mods[2], mods[3], mods[4]
+            batch, head, q_start, q_last, kv_last, _, aux_tensors, aux_scalars = mods
             mask_mod_bits(keep_bits, coords, self.mask_mod, batch, head, q_start, n_block * self.tile_n, q_last,
-                          kv_last, self.clamp_indices, mods[6], mods[7])
+                          kv_last, self.clamp_indices, aux_tensors, aux_scalars)
         warpgroup.wait_group(0 if no_pv else 1)  # S_i ready; PV still on the tensor cores
         pipe_k.consumer_release(state)
         if cutlass.const_expr(not (self.cfg.early_block_index or early_mask)):

@@ -10,6 +10,20 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 
 
+def element_indices(coords: cute.Tensor, i: int, q_start: Int32, kv_start: Int32, q_last: Int32, kv_last: Int32,
+                    clamp: bool):
+    """(q_idx, kv_idx) of accumulator element i, the mods' arguments. With captured tensors (`clamp`) the indices of
+    padded rows/columns are clamped to the last valid one, so a mod never reads past a captured buffer; those
+    elements are discarded (rows never stored, columns masked by the tail mask). A trace-time helper of the mod
+    loops below, in `score_mod` and in the backward's `mod_backward`."""
+    q_idx = q_start + coords[i][0]
+    kv_idx = kv_start + coords[i][1]
+    if clamp:
+        q_idx = cutlass.min(q_idx, q_last)
+        kv_idx = cutlass.min(kv_idx, kv_last)
+    return q_idx, kv_idx
+
+
 @cute.jit
 def mask_kv_tail(acc_s: cute.Tensor, coords: cute.Tensor, kv_start: Int32, seqlen_k: Int32):
     """Keys at or past seqlen_k were zero-filled by TMA; they must not get any probability."""
@@ -22,17 +36,9 @@ def mask_kv_tail(acc_s: cute.Tensor, coords: cute.Tensor, kv_start: Int32, seqle
 def apply_mask_mod(acc_s: cute.Tensor, coords: cute.Tensor, mask_mod: cutlass.Constexpr, batch: Int32, head: Int32,
                    q_start: Int32, kv_start: Int32, q_last: Int32, kv_last: Int32, clamp: cutlass.Constexpr[bool],
                    aux_tensors, aux_scalars):
-    """Evaluate mask_mod(b, h, q_idx, kv_idx) per element; False -> -inf.
-
-    With captured tensors (`clamp`), indices of padded rows/columns are clamped to the last valid one so the mod never
-    reads past a captured buffer; those elements are discarded (rows never stored, columns masked by the tail mask).
-    """
+    """Evaluate mask_mod(b, h, q_idx, kv_idx) per element (indices from `element_indices`); False -> -inf."""
     for i in cutlass.range_constexpr(cute.size(acc_s)):
-        q_idx = q_start + coords[i][0]
-        kv_idx = kv_start + coords[i][1]
-        if cutlass.const_expr(clamp):
-            q_idx = cutlass.min(q_idx, q_last)
-            kv_idx = cutlass.min(kv_idx, kv_last)
+        q_idx, kv_idx = element_indices(coords, i, q_start, kv_start, q_last, kv_last, clamp)
         keep = mask_mod(batch, head, q_idx, kv_idx, aux_tensors, aux_scalars)
         acc_s[i] = acc_s[i] if keep else -Float32.inf
 
@@ -51,11 +57,7 @@ def mask_mod_bits(bits: cute.Tensor, coords: cute.Tensor, mask_mod: cutlass.Cons
         word = Uint32(0)
         for j in cutlass.range_constexpr(32):
             if cutlass.const_expr(w * 32 + j < n):
-                q_idx = q_start + coords[w * 32 + j][0]
-                kv_idx = kv_start + coords[w * 32 + j][1]
-                if cutlass.const_expr(clamp):
-                    q_idx = cutlass.min(q_idx, q_last)
-                    kv_idx = cutlass.min(kv_idx, kv_last)
+                q_idx, kv_idx = element_indices(coords, w * 32 + j, q_start, kv_start, q_last, kv_last, clamp)
                 keep = mask_mod(batch, head, q_idx, kv_idx, aux_tensors, aux_scalars)
                 word = word | cutlass.select_(keep, Uint32(1 << j), Uint32(0))
         bits[w] = word
