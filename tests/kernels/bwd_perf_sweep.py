@@ -4,9 +4,11 @@ check each one's gradients, in one command:
     python tests/kernels/bwd_perf_sweep.py OUT.json --budget 480
 
 Rows (bf16, H=16, MHA): D=128 dense and causal at B4·S4k and B1·S16k, D=64 dense and causal at B1·S16k, sliding
-window 1024 at B4·S4k, a tanh soft-cap score_mod at B2·S2k (D=128 and 64); plus deterministic mode (its default,
-the other CTA order, LSE2/D from global memory) on the D=128 B4·S4k rows, sliding window and D=64 causal. Columns:
-the named configurations of `bwd_config.candidate_bwd_configs(D, deterministic)` (`default` first). For each (row, configuration):
+window 1024 at B4·S4k (D=128) and B1·S16k (D=64), packed documents of 2000 tokens at B1·S16k (D=64 and 128; the
+ids are a captured tensor, as in a user's mask), a tanh soft-cap score_mod at B2·S2k (D=128 and 64); plus
+deterministic mode (its default, the other CTA order, LSE2/D from global memory, the other D=64 step) on the D=128
+B4·S4k rows, sliding window and D=64 causal. Columns: the named configurations of
+`bwd_config.candidate_bwd_configs(D, deterministic, mod_grads)` (`default` first). For each (row, configuration):
 
   * the backward exactly as the launcher runs it (`bwd_launch.backward`: preprocess, main kernel, postprocess), with
     the launcher's configuration swapped for the candidate. O and LSE come from a float64 forward, so no forward
