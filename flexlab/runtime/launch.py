@@ -114,7 +114,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: KernelMods 
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
     scale = D ** -0.5 if scale is None else float(scale)
     qpk = Hq // Hkv
-    group = heads_per_group(Skv, D, 2, qpk, B * Hq)
+    group = heads_per_group(Skv, D, 2, qpk, B * Hq, block_mask is not None)
     if key.tvm_ffi:
         fn(q, k, v, out, lse, scale, qpk, group, sparse, order, aux_tensors, aux_scalars)
     else:

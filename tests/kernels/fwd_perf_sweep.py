@@ -107,9 +107,16 @@ def variants_for(row, base, num_sms: int) -> list[Variant]:
         cand.append(Variant("tile192+persistent", "candidate", rep(t192, persistent_ctas=num_sms),
                             "192-row tiles, persistent"))
     # The CTA order alone (same kernel): all Q tiles of one head back to back, or four heads interleaved, instead of
-    # as many heads as fit half the L2 (`runtime.schedule.heads_per_group`).
+    # the launcher's L2 budget (`runtime.schedule.heads_per_group`).
     cand += [Variant(f"group{g}", "candidate", base, f"{g} (batch, head) pairs per L2 group", heads_group=g)
              for g in (1, 4)]
+    # The same rule as the launcher's with a different L2 budget (MiB of K/V per group), and the baseline timed a
+    # second time, so a schedule's gain can be told from run-to-run noise.
+    from flexlab.runtime.schedule import heads_per_group
+    cand += [Variant(f"l2_{mb}mb", "candidate", base, f"L2 groups of at most {mb} MiB of K/V",
+                     heads_group=heads_per_group(row.S, row.D, 2, 1, row.B * row.H, l2_budget_bytes=mb << 20))
+             for mb in (8, 16)]
+    cand.append(Variant("baseline_again", "candidate", base, "the baseline timed again (noise)"))
     cand += [Variant("exp2_poly2", "candidate", rep(base, exp2_poly=2), "2 of 8 exponentials on the FMA pipe"),
              Variant("exp2_poly4", "candidate", rep(base, exp2_poly=4), "4 of 8 exponentials on the FMA pipe"),
              Variant("rescale_before_pv", "candidate", rep(base, rescale_before_pv=True),
@@ -232,7 +239,7 @@ def direct_call(state: RowState, fn, key, heads_group: int = 0):
         sparse, order = kbm.as_args(), kbm.order
     out = torch.empty_like(q)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
-    group = heads_group or heads_per_group(S, D, 2, 1, B * H)
+    group = heads_group or heads_per_group(S, D, 2, 1, B * H, state.block_mask is not None)
     args = (q, k, v, out, lse, D ** -0.5, 1, group, sparse, order, state.aux_t, state.aux_s)
     if key.tvm_ffi:
         return (lambda: fn(*args)), out

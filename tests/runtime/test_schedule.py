@@ -20,3 +20,11 @@ def test_group_size_follows_l2_budget():
     assert heads_per_group(16384, 128, 2, 1, 16) == 4  # 8 MiB of K+V per head, 32 MiB budget
     assert heads_per_group(16384, 128, 2, 4, 16) == 16  # GQA: four query heads share one K/V
     assert heads_per_group(1 << 22, 256, 2, 1, 8) == 1
+
+
+def test_dense_grids_take_narrower_groups():
+    # Without a block mask every Q tile streams all K/V of its head: an 8 MiB budget, so 4 heads at S=4k, D=128.
+    assert heads_per_group(4096, 128, 2, 1, 64, block_sparse=False) == 4
+    assert heads_per_group(4096, 128, 2, 1, 64, block_sparse=True) == 16
+    assert heads_per_group(16384, 128, 2, 1, 16, block_sparse=False) == 1
+    assert heads_per_group(4096, 128, 2, 1, 64, l2_budget_bytes=16 << 20) == 8
