@@ -107,7 +107,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: KernelMods 
             _FAST[fast] = hit
     fn, key = hit
     if block_mask is not None:
-        kbm = kernel_block_mask(block_mask, Sq, key.config.tile_m, key.config.tile_n)
+        kbm = kernel_block_mask(block_mask, Sq, key.config.tile_m, key.config.tile_n, Skv)
         sparse, order = kbm.as_args(), kbm.order
     q, k, v = tma_ready(q), tma_ready(k), tma_ready(v)
     out = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)

@@ -82,8 +82,32 @@ def _merged(block_mask, seqlen_q: int, tile_m: int, rk: int, n_q: int) -> tuple:
     return (*lists(partial), *lists(full))
 
 
-def kernel_block_mask(block_mask, seqlen_q: int, tile_m: int, tile_n: int) -> KernelBlockMask:
-    key = (id(block_mask), id(block_mask.kv_indices), tile_m, tile_n, seqlen_q)
+def _tail_to_partial(kv_num, kv_idx, full_num, full_idx, tail: int) -> tuple:
+    """Move KV block `tail` (the one holding the last, ragged keys) from the full lists to the partial ones.
+
+    The kernel masks the key tail only on partial blocks, so its full-block loop carries no per-element tail test
+    (a branch the compiler turns into ~130 selects and compares per step). mask_mod on a block the BlockMask calls
+    full keeps every valid key, so the move changes no result, only which loop the block runs in."""
+    live = torch.arange(full_idx.shape[-1], device=full_idx.device) < full_num.unsqueeze(-1)
+    hit = (full_idx == tail) & live
+    moved = hit.any(-1)
+    if not bool(moved.any()):
+        return kv_num, kv_idx, full_num, full_idx
+    keep_first = torch.sort((~hit).to(torch.int8), dim=-1, descending=True, stable=True).indices
+    full_idx = torch.gather(full_idx, -1, keep_first).contiguous()
+    full_num = (full_num - moved.to(full_num.dtype)).contiguous()
+    kv_idx = torch.cat([kv_idx, torch.zeros_like(kv_idx[..., :1])], dim=-1)
+    slot = kv_num.long().unsqueeze(-1)
+    kv_idx.scatter_(-1, slot, torch.where(moved.unsqueeze(-1), torch.full_like(slot, tail),
+                                          torch.gather(kv_idx, -1, slot).long()).to(kv_idx.dtype))
+    kv_num = (kv_num + moved.to(kv_num.dtype)).contiguous()
+    return kv_num, kv_idx.contiguous(), full_num, full_idx
+
+
+def kernel_block_mask(block_mask, seqlen_q: int, tile_m: int, tile_n: int, seqlen_k: int) -> KernelBlockMask:
+    """The kernel's lists for `block_mask` at (tile_m, tile_n). With `seqlen_k` not a multiple of tile_n, the last
+    KV block is always listed as partial (`_tail_to_partial`): the forward kernel masks the key tail only there."""
+    key = (id(block_mask), id(block_mask.kv_indices), tile_m, tile_n, seqlen_q, seqlen_k)
     hit = _CACHE.get(key)
     if hit is not None:
         _CACHE.move_to_end(key)
@@ -100,6 +124,9 @@ def kernel_block_mask(block_mask, seqlen_q: int, tile_m: int, tile_n: int) -> Ke
         else:  # no full blocks recorded: everything listed is partial
             full_num = torch.zeros_like(kv_num)
             full_idx = torch.zeros_like(kv_idx[..., :1])
+    if seqlen_k % tile_n:
+        kv_num, kv_idx, full_num, full_idx = _tail_to_partial(kv_num, kv_idx, full_num, full_idx,
+                                                              seqlen_k // tile_n)
     work = (kv_num + full_num).sum(dim=(0, 1))
     order = torch.argsort(work, descending=True, stable=True).to(torch.int32).contiguous()
     result = KernelBlockMask(kv_num, kv_idx, full_num, full_idx, order)

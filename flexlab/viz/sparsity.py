@@ -396,6 +396,11 @@ def inspect_blocks(mask, B: Optional[int] = None, H: Optional[int] = None, Q_LEN
                 raise FlexlabValueError(f"the mask has {states.shape[dim]} {'batches' if dim == 0 else 'heads'}, "
                                         f"cannot view it as {want}")
             states = states.expand(*[want if d == dim else n for d, n in enumerate(states.shape)])
+    if seq[1] % tk and states.shape[-1] * tk > seq[1]:
+        # The kernel runs the ragged last KV tile as partial (its key tail is masked there), full or not.
+        states = states.clone()
+        last = states[..., -1]
+        last[last == BLOCK_FULL] = BLOCK_PARTIAL
     return SparsityReport(states, (tq, tk), seq, head_dim=head_dim, num_sms=num_sms, partial_cost=partial_cost,
                           build_cost=cost, name=label)
 

@@ -235,7 +235,7 @@ def direct_call(state: RowState, fn, key, heads_group: int = 0):
     cfg = key.config
     sparse = order = None
     if state.block_mask is not None:
-        kbm = kernel_block_mask(state.block_mask, S, cfg.tile_m, cfg.tile_n)
+        kbm = kernel_block_mask(state.block_mask, S, cfg.tile_m, cfg.tile_n, S)
         sparse, order = kbm.as_args(), kbm.order
     out = torch.empty_like(q)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)

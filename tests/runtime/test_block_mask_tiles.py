@@ -26,8 +26,8 @@ def test_coarse_mask_splits_into_kernel_tiles():
     for mod in (_causal, _window):
         fine = create_block_mask(mod, 2, 1, 1000, 900, BLOCK_SIZE=128)
         coarse = create_block_mask(mod, 2, 1, 1000, 900, BLOCK_SIZE=256)
-        kf = kernel_block_mask(fine, 1000, 128, 128)
-        kc = kernel_block_mask(coarse, 1000, 128, 128)
+        kf = kernel_block_mask(fine, 1000, 128, 128, 900)
+        kc = kernel_block_mask(coarse, 1000, 128, 128, 900)
         n_kv = -(-900 // 128)
         sf = _states(kf.kv_num, kf.kv_idx, kf.full_num, kf.full_idx, n_kv + 2)[..., :n_kv]
         sc = _states(kc.kv_num, kc.kv_idx, kc.full_num, kc.full_idx, n_kv + 2)[..., :n_kv]
@@ -37,8 +37,34 @@ def test_coarse_mask_splits_into_kernel_tiles():
 
 
 def test_tile_order_is_longest_work_first():
-    km = kernel_block_mask(create_block_mask(_causal, 1, 1, 1024, 1024), 1024, 128, 128)
+    km = kernel_block_mask(create_block_mask(_causal, 1, 1, 1024, 1024), 1024, 128, 128, 1024)
     assert km.order.tolist() == list(range(7, -1, -1))
+
+
+def _everything(b, h, q, kv):
+    return q >= 0
+
+
+def test_ragged_last_kv_block_is_always_partial():
+    # The forward kernel masks the key tail only on partial blocks, so a full last block must move to the partial
+    # list (after the partial blocks already listed), and nothing else may change.
+    for mod, skv in ((_everything, 1000), (_window, 900), (_causal, 1000)):
+        bm = create_block_mask(mod, 2, 1, 1000, skv, BLOCK_SIZE=128)
+        n_kv = -(-skv // 128)
+        plain = kernel_block_mask(bm, 1000, 128, 128, n_kv * 128)  # lengths a tile multiple: lists as torch gave them
+        kbm = kernel_block_mask(bm, 1000, 128, 128, skv)
+        before = _states(plain.kv_num, plain.kv_idx, plain.full_num, plain.full_idx, n_kv)
+        after = _states(kbm.kv_num, kbm.kv_idx, kbm.full_num, kbm.full_idx, n_kv)
+        expect = before.clone()
+        expect[..., -1][expect[..., -1] == 2] = 1
+        assert torch.equal(after, expect)
+        assert bool((after[..., -1] != 2).all())
+        assert kbm.kv_num.dtype == torch.int32 and kbm.full_idx.is_contiguous()
+    bm = create_block_mask(_everything, 1, 1, 1000, 1000, BLOCK_SIZE=128)
+    kbm = kernel_block_mask(bm, 1000, 128, 128, 1000)
+    # every Q tile but the ragged last one (all partial already): blocks 0-6 full, block 7 partial
+    assert kbm.kv_num.flatten().tolist()[:7] == [1] * 7 and kbm.full_num.flatten().tolist()[:7] == [7] * 7
+    assert bool((kbm.kv_idx[0, 0, :7, 0] == 7).all())
 
 
 def test_incompatible_block_size_is_explained():
@@ -85,7 +111,7 @@ def test_merged_192_row_tiles_compute_the_same_attention():
     for mod in (_causal, _window, _doc_mask(S)):
         bm = create_block_mask(mod, 1, 1, S, S, BLOCK_SIZE=128)
         assert incompatibility(bm, tile_m, tile_n) is None  # 192 merges the 128-row mask blocks it straddles
-        kbm = kernel_block_mask(bm, S, tile_m, tile_n)
+        kbm = kernel_block_mask(bm, S, tile_m, tile_n, S)
         assert kbm.kv_num.shape[-1] == -(-S // tile_m) and kbm.kv_idx.dtype == torch.int32
         keep = mod(0, 0, torch.arange(S)[:, None], torch.arange(S)[None, :])
         ref = torch.softmax((q @ k.T).masked_fill(~keep, float("-inf")), dim=-1) @ v
@@ -95,7 +121,7 @@ def test_merged_192_row_tiles_compute_the_same_attention():
 def test_merged_tiles_skip_and_trust_only_what_every_covered_row_says():
     S = 1024
     bm = create_block_mask(_causal, 1, 1, S, S, BLOCK_SIZE=128)
-    kbm = kernel_block_mask(bm, S, 192, 128)
+    kbm = kernel_block_mask(bm, S, 192, 128, S)
     n_kv = S // 128
     states = _states(kbm.kv_num, kbm.kv_idx, kbm.full_num, kbm.full_idx, n_kv + 2)[0, 0, :, :n_kv]
     # Tile 1 covers rows 192..383: mask rows 1 and 2. Block 0 is full in both, block 1 full in row 2 but partial in
