@@ -71,6 +71,10 @@ class FwdConfig:
     # 2026-11-30: 0.98x on the document rows, 1.01-1.02x on sliding windows
     # (benchmarks/results/mask_early_h200_2026-11-30.json); with 192-row tiles (160 registers per thread) it spills.
     mask_early: bool = False
+    # Dense grids only: two CTAs with neighbouring Q tiles of one head form a cluster, and each loads half of every
+    # K/V block and multicasts it to both, halving K/V traffic from L2. Nsight, dense B4 S4k: our kernel moved 4.1 GB
+    # through L2 against FA4's 2.2 GB, whose dense path does this. Not yet timed on the H200 (a sweep candidate).
+    cluster_m: int = 1
     # Debug only, never set by the public API: stages removed for timing (names in ABLATIONS; results are wrong).
     ablate: tuple[str, ...] = ()
 
@@ -130,6 +134,11 @@ class FwdConfig:
         unknown = [a for a in self.ablate if a not in ABLATIONS]
         if unknown:
             return f"unknown ablation(s) {unknown}; known: {sorted(ABLATIONS)}"
+        if self.cluster_m not in (1, 2):
+            return f"cluster_m={self.cluster_m} must be 1 or 2 (CTAs sharing each K/V load)"
+        if self.cluster_m > 1 and (self.persistent_ctas or "kv_loads" in self.ablate):
+            return "cluster_m=2 pairs Q tiles of one head per launch; it does not combine with persistent_ctas or " \
+                   "the kv_loads ablation"
         if self.persistent_ctas < 0:
             return f"persistent_ctas={self.persistent_ctas} must be 0 (off) or a CTA count"
         if not 0 <= self.exp2_poly <= 8:

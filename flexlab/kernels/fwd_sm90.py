@@ -16,6 +16,9 @@ Options in `FwdConfig` (off by default):
     producer issues the next tile's first K before its Q, and when shared memory allows (`separate_o`) O gets its own
     buffer, so the next Q lands while this tile's last PV GEMM and epilogue run; otherwise O stays over Q and the next
     Q waits until the TMA store has read it;
+  * `cluster_m` = 2 (dense grids): CTAs pair up in clusters over neighbouring Q tiles of one head; each producer
+    loads half of every K/V block with a multicast TMA copy that lands in both CTAs, and a stage is refilled only
+    once the consumers of both CTAs have released it (their release arrives on both CTAs' empty barriers);
   * `rescale_before_pv`, `exp2_poly`, `early_block_index`, `mask_early`: see `FwdConfig`.
 Debug-only stage removal (`FwdConfig.ablate`, names in `config.ABLATIONS`) is confined to `ablated(...)` checks in
 `load_kv`, `overlapped_step`, the first/last block of `consume_tile`, `mod_scores`, `OnlineSoftmax` and `epilogue`.
@@ -43,7 +46,7 @@ from .mask import apply_mask_bits, apply_mask_mod, mask_kv_tail, mask_mod_bits
 from .named_barrier import FwdBarrier
 from .score_mod import apply_score_mod
 from .softmax import OnlineSoftmax, rescale_rows
-from .tile_scheduler import current_tile, tile_coords
+from .tile_scheduler import cluster_pair_tile, current_tile, tile_coords
 
 LOG2_E = math.log2(math.e)
 
@@ -84,6 +87,7 @@ class FlexFwdSm90:
         self.pingpong = cfg.pingpong and self.num_wg >= 2
         self.persistent = cfg.persistent
         self.separate_o = cfg.separate_o
+        self.cluster_m = cfg.cluster_m
         self.ablate = frozenset(cfg.ablate)
 
     def ablated(self, stage: str) -> bool:
@@ -125,8 +129,13 @@ class FlexFwdSm90:
         load_op, store_op = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         tma_q, mQ_t = cpasync.make_tiled_tma_atom(load_op, mQ, sQ_layout, (tile_m, hd))
         one_stage = cute.select(sKV_layout, mode=[0, 1])
-        tma_k, mK_t = cpasync.make_tiled_tma_atom(load_op, mK, one_stage, (tile_n, hd))
-        tma_v, mV_t = cpasync.make_tiled_tma_atom(load_op, mV, one_stage, (tile_n, hd))
+        kv_op = load_op
+        if cutlass.const_expr(self.cluster_m > 1):
+            if cutlass.const_expr(sparse is not None):
+                raise ValueError("FwdConfig.cluster_m=2 shares K/V between two Q tiles: dense grids only")
+            kv_op = cpasync.CopyBulkTensorTileG2SMulticastOp()
+        tma_k, mK_t = cpasync.make_tiled_tma_atom(kv_op, mK, one_stage, (tile_n, hd), num_multicast=self.cluster_m)
+        tma_v, mV_t = cpasync.make_tiled_tma_atom(kv_op, mV, one_stage, (tile_n, hd), num_multicast=self.cluster_m)
         tma_o, mO_t = cpasync.make_tiled_tma_atom(store_op, mO, sQ_layout, (tile_m, hd))
 
         Storage = self.storage_class(sQ_layout, sKV_layout)
@@ -137,10 +146,16 @@ class FlexFwdSm90:
         if cutlass.const_expr(self.persistent):
             grid = [cutlass.min(num_m_blocks * num_hb, self.cfg.persistent_ctas), 1, 1]
         tiles = (num_m_blocks, mQ.shape[2], num_hb, heads_per_group)
+        launch = {}
+        if cutlass.const_expr(self.cluster_m > 1):  # pairs of Q tiles (`tile_scheduler.cluster_pair_tile`)
+            num_pairs = cute.ceil_div(num_m_blocks, self.cluster_m)
+            grid = [num_pairs * num_hb * self.cluster_m, 1, 1]
+            tiles = (num_pairs, mQ.shape[2], num_hb, heads_per_group)
+            launch = {"cluster": [self.cluster_m, 1, 1]}
         self.kernel(mQ_t, mK_t, mV_t, mO_t, mLSE, tma_q, tma_k, tma_v, tma_o, softmax_scale, log2_scale,
                     qhead_per_kvhead, tiles, sparse, order, aux_tensors, aux_scalars, sQ_layout, sKV_layout,
                     tiled_mma_qk, tiled_mma_pv, Storage).launch(
-            grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+            grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1, **launch)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -166,13 +181,21 @@ class FlexFwdSm90:
             barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=tma_thread,
             consumer_group=q_releasers, tx_count=self.tile_m * self.head_dim * self.dtype.width // 8,
             defer_sync=True)
+        # K/V: with a cluster, a stage holds halves from both CTAs' producers (the full barrier still expects the whole
+        # block) and is free again only when every consumer warp of both CTAs has released it.
+        kv_consumers, kv_cluster, cluster_shape = consumer_warps, {}, None
+        if cutlass.const_expr(self.cluster_m > 1):
+            kv_consumers = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_threads)
+            kv_cluster = {"cta_layout_vmnk": cute.make_layout((1, self.cluster_m, 1, 1)), "mcast_mode_mn": (0, 1),
+                          "enable_multicast_signaling": True}
+            cluster_shape = cute.make_layout((self.cluster_m, 1))
         pipe_k = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.num_stages, producer_group=tma_thread,
-            consumer_group=consumer_warps, tx_count=kv_bytes, defer_sync=True)
+            consumer_group=kv_consumers, tx_count=kv_bytes, defer_sync=True, **kv_cluster)
         pipe_v = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages, producer_group=tma_thread,
-            consumer_group=consumer_warps, tx_count=kv_bytes, defer_sync=True)
-        pipeline.pipeline_init_arrive()
+            consumer_group=kv_consumers, tx_count=kv_bytes, defer_sync=True, **kv_cluster)
+        pipeline.pipeline_init_arrive(cluster_shape)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
@@ -183,11 +206,14 @@ class FlexFwdSm90:
         seqlen_k = mK.shape[0]
         first = None  # one-tile-per-CTA grid: this CTA's tile, looked up while the barriers initialise
         if cutlass.const_expr(not self.persistent):
-            m_block, head, batch = current_tile(order, *tiles)
+            if cutlass.const_expr(self.cluster_m > 1):
+                m_block, head, batch = cluster_pair_tile(*tiles)
+            else:
+                m_block, head, batch = current_tile(order, *tiles)
             sched = KvSchedule(sparse, batch, head, m_block, cute.ceil_div(seqlen_k, self.tile_n))
             first = (m_block, head, batch, sched)
         num_kv_blocks = cute.ceil_div(seqlen_k, self.tile_n)
-        pipeline.pipeline_init_wait()
+        pipeline.pipeline_init_wait(cluster_shape)
 
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -220,8 +246,13 @@ class FlexFwdSm90:
                 tile += Int32(cute.arch.grid_dim()[0])
         else:
             m_block, head, batch, sched = first
-            self.load_tile(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, m_block, head, batch,
-                           head // qhead_per_kvhead, sched, q_state, state)
+            q_state, state = self.load_tile(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
+                                            m_block, head, batch, head // qhead_per_kvhead, sched, q_state, state)
+            if cutlass.const_expr(self.cluster_m > 1):
+                # The partner CTA's consumers release our stages with remote arrives (and our multicast halves fill
+                # its buffers): this CTA stays until every stage has been released by both.
+                pipe_k.producer_tail(state.clone())
+                pipe_v.producer_tail(state.clone())
 
     @cute.jit
     def load_tile(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
@@ -233,8 +264,16 @@ class FlexFwdSm90:
         tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
-        tKsK, tKgK = tma_tiles(tma_k, sK, gK)
-        tVsV, tVgV = tma_tiles(tma_v, sV, gV)
+        if cutlass.const_expr(self.cluster_m > 1):  # this CTA's half of each block, multicast to the cluster
+            rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            cta_layout = cute.make_layout(self.cluster_m)
+            tKsK, tKgK = cpasync.tma_partition(tma_k, rank, cta_layout, cute.group_modes(sK, 0, 2),
+                                               cute.group_modes(gK, 0, 2))
+            tVsV, tVgV = cpasync.tma_partition(tma_v, rank, cta_layout, cute.group_modes(sV, 0, 2),
+                                               cute.group_modes(gV, 0, 2))
+        else:
+            tKsK, tKgK = tma_tiles(tma_k, sK, gK)
+            tVsV, tVgV = tma_tiles(tma_v, sV, gV)
         if cutlass.const_expr(not self.persistent):
             pipe_q.producer_acquire(q_state)
             cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
@@ -268,6 +307,10 @@ class FlexFwdSm90:
                 pipe.sync_object_empty.wait(state.index, state.phase)
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive(pipe.producer_get_barrier(state))
+        elif cutlass.const_expr(self.cluster_m > 1):
+            pipe.producer_acquire(state)
+            cute.copy(tma, tXgX[None, sched.block(step)], tXsX[None, state.index],
+                      tma_bar_ptr=pipe.producer_get_barrier(state), mcast_mask=cutlass.Int16((1 << self.cluster_m) - 1))
         else:
             pipe.producer_acquire(state)
             cute.copy(tma, tXgX[None, sched.block(step)], tXsX[None, state.index],

@@ -117,6 +117,9 @@ def variants_for(row, base, num_sms: int) -> list[Variant]:
                      heads_group=heads_per_group(row.S, row.D, 2, 1, row.B * row.H, l2_budget_bytes=mb << 20))
              for mb in (8, 16)]
     cand.append(Variant("baseline_again", "candidate", base, "the baseline timed again (noise)"))
+    if not has_mask and not has_score:
+        cand.append(Variant("cluster2", "candidate", rep(base, cluster_m=2),
+                            "2-CTA clusters share each K/V load (TMA multicast)"))
     cand += [Variant("exp2_poly2", "candidate", rep(base, exp2_poly=2), "2 of 8 exponentials on the FMA pipe"),
              Variant("exp2_poly4", "candidate", rep(base, exp2_poly=4), "4 of 8 exponentials on the FMA pipe"),
              Variant("rescale_before_pv", "candidate", rep(base, rescale_before_pv=True),

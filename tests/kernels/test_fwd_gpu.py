@@ -162,3 +162,20 @@ def test_warm_call_host_overhead_is_small():
         samples.append(time.perf_counter() - t0)
     torch.cuda.synchronize()
     assert statistics.median(samples) < 60e-6
+
+
+@needs_hopper
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("Sq,Skv,Hkv", [(1000, 1000, 4), (1023, 777, 1), (128, 4096, 2), (129, 129, 4)])
+def test_kv_multicast_cluster_candidate(D, Sq, Skv, Hkv):
+    # FwdConfig.cluster_m=2 (a sweep candidate): pairs of Q tiles share K/V loads; odd tile counts leave the last
+    # pair's second CTA past Sq, where it must neither write nor hang its partner.
+    import dataclasses
+
+    from flexlab.kernels.config import default_config
+    from flexlab.runtime.compile import KernelMods
+    from flexlab.runtime.launch import forward
+    q, k, v = random_qkv(2, 4, Sq, Skv, D, torch.bfloat16, "cuda", Hkv=Hkv)
+    cfg = dataclasses.replace(default_config(D), cluster_m=2)
+    out, lse = forward(q, k, v, KernelMods(), config=cfg)
+    _check(out, lse, q, k, v)

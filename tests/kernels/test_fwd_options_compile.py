@@ -149,3 +149,15 @@ def test_full_block_loop_of_a_masked_kernel_is_the_dense_loop():
     dense, causal = (sum(loops[k].values()) for k in ("dense", "causal"))
     assert loops["causal"].get("FSEL", 0) <= 4, loops["causal"].most_common(8)
     assert causal <= dense * 1.05, (causal, dense)
+
+
+def test_kv_multicast_cluster_compiles_and_refuses_block_masks():
+    """`cluster_m=2`: each CTA loads half of a K/V block with a multicast TMA copy and releases stages on both CTAs'
+    barriers (remote arrives through `mapa`); a block mask gives each Q tile its own K/V list, so it is refused."""
+    cfg = dataclasses.replace(default_config(128), cluster_m=2)
+    ptx, report = _compile(cfg, "dense")
+    _sound(ptx, report)
+    assert len(re.findall(r"cp\.async\.bulk\.tensor[^\n]*multicast::cluster", ptx)) >= 2
+    assert "mapa" in ptx and re.search(r"mbarrier\.arrive[^\n]*shared::cluster", ptx)
+    with pytest.raises(ValueError, match="dense grids only"):
+        _compile(dataclasses.replace(default_config(128, True), cluster_m=2), "causal")
