@@ -27,7 +27,11 @@ faster than them. `default_bwd_config` picks `tile_m` per call (128 at D=64 wher
                   benchmarks/results/mask_early_h200_2026-11-30.json; with 64-row steps at D=128 it spills);
   dq_split_rows   each consumer warpgroup computes 64 query rows of the dQ partial over the whole head dim (wgmma
                   N = head_dim) instead of all tile_m rows over head_dim / warpgroups columns (N = 32 at D=64, where
-                  the shared-memory A operand limits the tensor cores); needs tile_m = 64 * warpgroups.
+                  the shared-memory A operand limits the tensor cores); needs tile_m = 64 * warpgroups;
+  early_dv        dV += P^T dO is issued as soon as P is in 16 bits, before waiting for dP^T, so it runs on the tensor
+                  cores while dS is formed, instead of after dS (FA3's order; the lean plan already issues it early).
+                  Both consumer warpgroups reach the softmax and dS together (the dS barrier keeps them in step), so
+                  in the default order the tensor cores idle through it. Not yet timed on the H200.
 """
 from __future__ import annotations
 
@@ -59,6 +63,7 @@ class BwdConfig:
     kv_tiles_first: bool = True
     dq_split_rows: bool = False
     mask_early: bool = False
+    early_dv: bool = False
 
     @property
     def num_consumer_wgs(self) -> int:
@@ -171,6 +176,7 @@ def candidate_bwd_configs(head_dim: int, deterministic: bool = False,
         "neither": replace(base, stats_in_smem=False, kv_tiles_first=False),  # the default before 2026-11-30
         "dk_after_dq": replace(base, dk_after_dq=True),
         "stages3": replace(base, num_stages=3),
+        "early_dv": replace(base, early_dv=True),
         # mask_mod before or after the S^T wait, whichever the default does not do
         "mask_late" if base.mask_early else "mask_early": replace(base, mask_early=not base.mask_early),
     }

@@ -96,6 +96,7 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         # and no aux_grad: dS is used as it is and the pre-mod scores are never kept, so the full plan fits.
         self.needs_raw_scores = score_mod_bwd is not None or aux_grad is not None
         self.lean = self.needs_raw_scores and self.head_dim + self.tile_m > 128
+        self.early_dv = cfg.early_dv and not self.lean  # (the lean plan issues dV early in its own way)
 
     def stats_bytes(self) -> int:
         """Bytes of LSE2 and D rows that land with each Q/dO stage (0 unless stats_in_smem)."""

@@ -103,7 +103,15 @@ class BwdStep:
             lse2 = self.row_stat(mLSE2, ops.sLSE2, batch, head, q_start, c_cols[0, j][0], stage)
             for r in cutlass.range_constexpr(cute.size(s_cols, mode=[0])):
                 s_cols[r, j] = cute.math.exp2(s_cols[r, j] * log2_scale - lse2, fastmath=True)
-        if cutlass.const_expr(self.lean):
+        if cutlass.const_expr(self.early_dv):
+            # P to 16 bits (its fp32 registers die: keeping them beside the 16-bit copy spilled) and dV += P^T dO
+            # issued now, so it runs while dS is formed; wait for dP^T only, leaving dV on the tensor cores.
+            rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+            convert_to_16bit(acc_S, rP)
+            wgmma(tiled_mma_dkv, acc_dV, as_operand_a(rP), ops.tVrdOt[None, None, None, stage], False, -1)
+            warpgroup.wait_group(1)
+            s_cols = rows_view(rP)
+        elif cutlass.const_expr(self.lean):
             # P goes to 16 bits now (its fp32 registers die), and dV += P^T dO runs beside dP^T = V dO^T.
             rP = cute.make_rmem_tensor_like(acc_S, self.dtype)  # accumulator order; as_operand_a re-views it
             convert_to_16bit(acc_S, rP)
@@ -123,7 +131,7 @@ class BwdStep:
             self.mod_backward(acc_dP, raw, coords, batch, head, q_start, kv_start, q_last, kv_last, aux_tensors,
                               aux_scalars, aux_grads)
 
-        if cutlass.const_expr(not self.lean):
+        if cutlass.const_expr(not self.lean and not self.early_dv):
             convert_to_16bit(as_operand_a(acc_S), ops.tVrP)
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
         convert_to_16bit(acc_dP, rdS)
@@ -131,7 +139,7 @@ class BwdStep:
         cute.copy(ops.st_ds, ops.thr_st_ds.retile(rdS), tdSsdS[None, None, None, ds_index])
         cute.arch.fence_view_async_shared()  # dS^T in shared memory must be visible to the wgmma async proxy
 
-        if cutlass.const_expr(not self.lean):
+        if cutlass.const_expr(not self.lean and not self.early_dv):
             wgmma(tiled_mma_dkv, acc_dV, ops.tVrP, ops.tVrdOt[None, None, None, stage], False, -1)
         if cutlass.const_expr(not self.dk_after_dq):
             wgmma(tiled_mma_dkv, acc_dK, as_operand_a(rdS), ops.tKrQt[None, None, None, stage], False, -1)

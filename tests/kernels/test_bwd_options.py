@@ -84,6 +84,9 @@ CELLS = [  # (name, head dim, options, kernel flavour): each option in a few fla
     ("combined-bias-d64", 64, dict(stats_in_smem=True, dk_after_dq=True, kv_tiles_first=True, tile_m=128,
                                    dq_split_rows=True), "bias"),
     # (deterministic + block mask at D=128 spills 8 B already with the default 2 stages: not this option's doing)
+    ("early_dv-dense", 128, dict(early_dv=True), "dense"),
+    ("early_dv-mask-d64", 64, dict(early_dv=True), "mask"),
+    ("early_dv-det", 128, dict(early_dv=True), "det"),
     ("stages3-mask", 128, dict(num_stages=3), "mask"),
     ("stages3-det", 128, dict(num_stages=3), "det"),
     ("combined-det_mask", 128, dict(stats_in_smem=True, dk_after_dq=True, kv_tiles_first=True), "det_mask"),
@@ -113,6 +116,8 @@ def test_option_compiles_without_spills(name, D, options, kind):
     if cfg.dk_after_dq:  # dQ done with dK in flight (and, outside the lean plan, S^T ready with dP^T in flight)
         lean = kind == "bias" and cfg.head_dim + cfg.tile_m > 128
         assert waits.count("1") >= (1 if lean else 2), waits
+    if cfg.early_dv:  # S^T ready with dP^T in flight, then dP^T ready with dV in flight
+        assert waits.count("1") >= 2, waits
     if kind.startswith("det"):
         assert "ld.acquire.gpu.global.b32" in ptx and "red.release.gpu.global.add.s32" in ptx
     if cfg.dq_split_rows:
