@@ -113,10 +113,13 @@ def test_launcher_config_for_a_document_mask_has_no_spills(D):
 
 
 # Forward spill bytes (stores, loads) of gallery variants whose mods keep many values live, measured at the commit that
-# set them (benchmarks/results/gallery_forward_spills_2026-11-30.json): a ceiling, so a change that makes them worse
-# fails here; lowering them is open work.
-GALLERY_SPILL_CEILINGS = {("document", 128): (20, 60), ("document", 64): (0, 0), ("shared_prefix", 128): (8, 28),
-                          ("tree_attention", 128): (100, 168), ("natten_2d_dilated", 128): (232, 252)}
+# set them (benchmarks/results/gallery_forward_spills_2026-11-30b.json): a ceiling, so a change that makes them worse
+# fails here; lowering them is open work. ptxas allocates for the whole kernel, so a change elsewhere in the kernel
+# can move spills between variants (the key-tail test leaving the full-block loop lowered five, raised three).
+GALLERY_SPILL_CEILINGS = {("document", 128): (12, 28), ("document", 64): (0, 0), ("shared_prefix", 128): (0, 0),
+                          ("tree_attention", 128): (60, 60), ("natten_2d_dilated", 128): (188, 204),
+                          ("bigbird", 128): (196, 204), ("dilated_sliding_window", 64): (64, 64),
+                          ("sliding_tile", 128): (24, 40)}
 
 
 @pytest.mark.parametrize("name,D", list(GALLERY_SPILL_CEILINGS))
