@@ -2,7 +2,8 @@
 
 With a BlockMask, a Q tile visits its partial blocks (`kv_indices`, mask_mod applied) and then its full blocks
 (`full_kv_indices`, no mask_mod); empty blocks are never listed, so never loaded. Without one, it visits every KV
-block from the last to the first, so the only block that needs the sequence-tail mask comes first.
+block from the last to the first. Either way the only block that needs the sequence-tail mask comes first: the host
+lists a ragged last KV block first among the partial ones (`runtime.sparsity.kernel_block_mask`).
 Producer and consumers build the same `KvSchedule`, so they walk the same list without talking to each other.
 """
 from __future__ import annotations

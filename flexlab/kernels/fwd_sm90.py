@@ -50,8 +50,6 @@ from .tile_scheduler import cluster_pair_tile, current_tile, tile_coords
 
 LOG2_E = math.log2(math.e)
 
-# When to apply the key-tail mask to a block (trace-time choice per call site).
-TAIL_NEVER, TAIL_ALWAYS, TAIL_IF_LAST = 0, 1, 2
 
 
 @cute.jit
@@ -373,7 +371,6 @@ class FlexFwdSm90:
         q_start = m_block * self.tile_m
         q_last, kv_last = seqlen_q - 1, seqlen_k - 1
         mods = (batch, head, q_start, q_last, kv_last, softmax_scale, aux_tensors, aux_scalars)
-        dense = cutlass.const_expr(sched.sparse is None)
 
         pipe_q.consumer_wait(q_state)
         total = sched.total
@@ -384,26 +381,27 @@ class FlexFwdSm90:
             pipe_k.consumer_wait(state)
             wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], True, 0)
             pipe_k.consumer_release(state)
+            # The key tail needs masking in the last KV block only, and that block always comes first: dense grids
+            # walk the blocks from the last one down, and under a block mask the host lists a ragged last block
+            # first among the partial ones (`runtime.sparsity.kernel_block_mask`). So only this step tests for it;
+            # inside the loops ptxas turned the test into a second pass of selects on every block.
             n_block = sched.block(0)
             if num_partial > 0:
-                self.mod_scores(acc_S, coords, n_block, seqlen_k, mods, True, TAIL_ALWAYS)
+                self.mod_scores(acc_S, coords, n_block, seqlen_k, mods, True, True)
             else:
-                self.mod_scores(acc_S, coords, n_block, seqlen_k, mods, False, TAIL_ALWAYS)
+                self.mod_scores(acc_S, coords, n_block, seqlen_k, mods, False, True)
             if cutlass.const_expr(not self.ablated("softmax")):
                 softmax.step(acc_S, row_scale)
             convert_to_16bit(as_operand_a(acc_S), tOrP)
-            # Partial blocks (mask_mod), then full blocks (no mask_mod). The key tail needs masking only in the
-            # last KV block: dense grids visit it at step 0, and the host lists it as partial under a block mask
-            # (`runtime.sparsity.kernel_block_mask`), so the full-block loop never tests for it.
-            tail = TAIL_NEVER if dense else TAIL_IF_LAST
+            # Partial blocks (mask_mod), then full blocks (no mask_mod); no key-tail test in either loop.
             for i in cutlass.range(1, num_partial, unroll=1):
                 state = self.overlapped_step(i, state, sched, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt,
                                              tOrP, acc_O, s_shape, coords, softmax, row_scale, pipe_k, pipe_v,
-                                             wg, seqlen_k, mods, True, tail)
+                                             wg, seqlen_k, mods, True)
             for i in cutlass.range(cutlass.max(num_partial, 1), total, unroll=1):
                 state = self.overlapped_step(i, state, sched, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt,
                                              tOrP, acc_O, s_shape, coords, softmax, row_scale, pipe_k, pipe_v,
-                                             wg, seqlen_k, mods, False, TAIL_NEVER)
+                                             wg, seqlen_k, mods, False)
             self.release_q_after_mainloop(pipe_q, q_state)
             # Last block: PV only.
             pipe_v.consumer_wait(state)
@@ -432,8 +430,9 @@ class FlexFwdSm90:
     @cute.jit
     def overlapped_step(self, i: Int32, state, sched: KvSchedule, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt,
                         tOrP, acc_O, s_shape, coords, softmax: OnlineSoftmax, row_scale, pipe_k, pipe_v, wg: Int32,
-                        seqlen_k: Int32, mods, use_mask_mod: cutlass.Constexpr[bool], tail: cutlass.Constexpr[int]):
-        """S_i = Q K_i^T and O += P_{i-1} V_{i-1} issued back to back; softmax(S_i) overlaps the PV GEMM."""
+                        seqlen_k: Int32, mods, use_mask_mod: cutlass.Constexpr[bool]):
+        """S_i = Q K_i^T and O += P_{i-1} V_{i-1} issued back to back; softmax(S_i) overlaps the PV GEMM. Never the
+        ragged last KV block (that one is step 0), so no key-tail mask."""
         no_pv = self.ablated("pv")
         serial = self.ablated("overlap")  # each GEMM waited for at once: nothing overlaps the softmax
         with_softmax = not self.ablated("softmax")
@@ -464,7 +463,7 @@ class FlexFwdSm90:
         pipe_k.consumer_release(state)
         if cutlass.const_expr(not (self.cfg.early_block_index or early_mask)):
             n_block = sched.block(i)
-        self.mod_scores(acc_S, coords, n_block, seqlen_k, mods, use_mask_mod and not early_mask, tail)
+        self.mod_scores(acc_S, coords, n_block, seqlen_k, mods, use_mask_mod and not early_mask, False)
         if cutlass.const_expr(early_mask):
             apply_mask_bits(acc_S, keep_bits)
         if cutlass.const_expr(with_softmax):
@@ -478,8 +477,8 @@ class FlexFwdSm90:
 
     @cute.jit
     def mod_scores(self, acc_S, coords, n_block: Int32, seqlen_k: Int32, mods,
-                   use_mask_mod: cutlass.Constexpr[bool], tail: cutlass.Constexpr[int]):
-        """score_mod, then mask_mod (partial blocks only), then the key-tail mask."""
+                   use_mask_mod: cutlass.Constexpr[bool], mask_tail: cutlass.Constexpr[bool]):
+        """score_mod, then mask_mod (partial blocks only), then the key-tail mask (`mask_tail`: step 0 only)."""
         batch, head, q_start, q_last, kv_last, softmax_scale, aux_tensors, aux_scalars = mods
         kv_start = n_block * self.tile_n
         if cutlass.const_expr(self.score_mod is not None and not self.ablated("score_mod")):
@@ -488,11 +487,8 @@ class FlexFwdSm90:
         if cutlass.const_expr(use_mask_mod and self.mask_mod is not None and not self.ablated("mask_mod")):
             apply_mask_mod(acc_S, coords, self.mask_mod, batch, head, q_start, kv_start, q_last, kv_last,
                            self.clamp_indices, aux_tensors, aux_scalars)
-        if cutlass.const_expr(tail == TAIL_ALWAYS):
+        if cutlass.const_expr(mask_tail):
             mask_kv_tail(acc_S, coords, kv_start, seqlen_k)
-        if cutlass.const_expr(tail == TAIL_IF_LAST):
-            if kv_start + self.tile_n > seqlen_k:
-                mask_kv_tail(acc_S, coords, kv_start, seqlen_k)
 
     def wait_turn(self, wg):
         if cutlass.const_expr(self.pingpong):

@@ -82,31 +82,40 @@ def _merged(block_mask, seqlen_q: int, tile_m: int, rk: int, n_q: int) -> tuple:
     return (*lists(partial), *lists(full))
 
 
-def _tail_to_partial(kv_num, kv_idx, full_num, full_idx, tail: int) -> tuple:
-    """Move KV block `tail` (the one holding the last, ragged keys) from the full lists to the partial ones.
+def _ragged_block_first(kv_num, kv_idx, full_num, full_idx, tail: int) -> tuple:
+    """List KV block `tail` (the one holding the last, ragged keys), wherever a Q tile visits it, as that tile's first
+    partial block.
 
-    The kernel masks the key tail only on partial blocks, so its full-block loop carries no per-element tail test
-    (a branch the compiler turns into ~130 selects and compares per step). mask_mod on a block the BlockMask calls
-    full keeps every valid key, so the move changes no result, only which loop the block runs in."""
-    live = torch.arange(full_idx.shape[-1], device=full_idx.device) < full_num.unsqueeze(-1)
-    hit = (full_idx == tail) & live
-    moved = hit.any(-1)
-    if not bool(moved.any()):
+    The forward kernel masks the key tail only on the first block it visits, so neither of its loops carries a
+    per-element tail test (ptxas turned one into a second pass of selects on every block, ~130 instructions per step,
+    and the extra registers spilled in the heavier gallery masks). A block the BlockMask calls full becomes partial:
+    mask_mod there keeps every valid key, so only the loop it runs in changes, not the result; the order of the other
+    blocks is kept."""
+    live_p = torch.arange(kv_idx.shape[-1], device=kv_idx.device) < kv_num.unsqueeze(-1)
+    live_f = torch.arange(full_idx.shape[-1], device=full_idx.device) < full_num.unsqueeze(-1)
+    in_p = (kv_idx == tail) & live_p
+    in_f = (full_idx == tail) & live_f
+    in_full = in_f.any(-1)
+    visits = in_p.any(-1) | in_full
+    if not bool(visits.any()):
         return kv_num, kv_idx, full_num, full_idx
-    keep_first = torch.sort((~hit).to(torch.int8), dim=-1, descending=True, stable=True).indices
-    full_idx = torch.gather(full_idx, -1, keep_first).contiguous()
-    full_num = (full_num - moved.to(full_num.dtype)).contiguous()
-    kv_idx = torch.cat([kv_idx, torch.zeros_like(kv_idx[..., :1])], dim=-1)
-    slot = kv_num.long().unsqueeze(-1)
-    kv_idx.scatter_(-1, slot, torch.where(moved.unsqueeze(-1), torch.full_like(slot, tail),
-                                          torch.gather(kv_idx, -1, slot).long()).to(kv_idx.dtype))
-    kv_num = (kv_num + moved.to(kv_num.dtype)).contiguous()
-    return kv_num, kv_idx.contiguous(), full_num, full_idx
+    if bool(in_full.any()):  # drop it from the full list, keeping the others in order
+        keep_first = torch.sort((~in_f).to(torch.int8), dim=-1, descending=True, stable=True).indices
+        full_idx = torch.gather(full_idx, -1, keep_first).contiguous()
+        full_num = (full_num - in_full.to(full_num.dtype)).contiguous()
+    others = live_p & ~in_p
+    others_first = torch.sort(others.to(torch.int8), dim=-1, descending=True, stable=True).indices
+    moved = torch.cat([torch.full_like(kv_idx[..., :1], tail), torch.gather(kv_idx, -1, others_first)], dim=-1)
+    kept = torch.cat([kv_idx, torch.zeros_like(kv_idx[..., :1])], dim=-1)
+    kv_idx = torch.where(visits.unsqueeze(-1), moved, kept).contiguous()
+    kv_num = torch.where(visits, others.sum(-1).to(kv_num.dtype) + 1, kv_num).contiguous()
+    return kv_num, kv_idx, full_num, full_idx
 
 
 def kernel_block_mask(block_mask, seqlen_q: int, tile_m: int, tile_n: int, seqlen_k: int) -> KernelBlockMask:
     """The kernel's lists for `block_mask` at (tile_m, tile_n). With `seqlen_k` not a multiple of tile_n, the last
-    KV block is always listed as partial (`_tail_to_partial`): the forward kernel masks the key tail only there."""
+    KV block is, wherever a Q tile visits it, that tile's first partial block (`_ragged_block_first`): the forward
+    kernel masks the key tail only on the first block it visits."""
     key = (id(block_mask), id(block_mask.kv_indices), tile_m, tile_n, seqlen_q, seqlen_k)
     hit = _CACHE.get(key)
     if hit is not None:
@@ -125,8 +134,8 @@ def kernel_block_mask(block_mask, seqlen_q: int, tile_m: int, tile_n: int, seqle
             full_num = torch.zeros_like(kv_num)
             full_idx = torch.zeros_like(kv_idx[..., :1])
     if seqlen_k % tile_n:
-        kv_num, kv_idx, full_num, full_idx = _tail_to_partial(kv_num, kv_idx, full_num, full_idx,
-                                                              seqlen_k // tile_n)
+        kv_num, kv_idx, full_num, full_idx = _ragged_block_first(kv_num, kv_idx, full_num, full_idx,
+                                                                 seqlen_k // tile_n)
     work = (kv_num + full_num).sum(dim=(0, 1))
     order = torch.argsort(work, descending=True, stable=True).to(torch.int32).contiguous()
     result = KernelBlockMask(kv_num, kv_idx, full_num, full_idx, order)

@@ -91,9 +91,17 @@ def sass_gemm_loop(sass: str) -> Counter:
     """Full opcode -> count over the kernel's main loop: the smallest span between a label and a backward branch to
     it that issues HGMMA and, if any such loop does, exp2 (MUFU.EX2: an attention step, not a GEMM-only fragment of
     one). Empty when no loop issues HGMMA. What the loop costs per iteration decides a kernel's issue rate."""
+    loops = sass_gemm_loops(sass)
+    with_exp2 = [body for body in loops if body.get("MUFU.EX2")]
+    return min(with_exp2 or loops, key=lambda c: sum(c.values()), default=Counter())
+
+
+def sass_gemm_loops(sass: str) -> list[Counter]:
+    """Opcode counts of every loop that issues HGMMA, in program order (a masked forward has two: partial blocks,
+    then full blocks)."""
     ops: list[str] = []
     labels: dict[str, int] = {}
-    loops: list[list[str]] = []
+    loops: list[Counter] = []
     for line in sass.splitlines():
         label = _SASS_LABEL.match(line.strip())
         if label:
@@ -107,9 +115,8 @@ def sass_gemm_loop(sass: str) -> Counter:
         if target and target.group(1) in labels:  # a label already seen: a backward branch
             body = ops[labels[target.group(1)]:]
             if any(op.startswith("HGMMA") for op in body):
-                loops.append(body)
-    with_exp2 = [body for body in loops if "MUFU.EX2" in body]
-    return Counter(min(with_exp2 or loops, key=len, default=()))
+                loops.append(Counter(body))
+    return loops
 
 
 def sass_groups(opcodes: Counter) -> dict[str, int]:
@@ -144,6 +151,7 @@ class CompileReport:
     ptx: dict = field(default_factory=dict)
     opcodes: Counter = field(default_factory=Counter)
     loop_opcodes: Counter = field(default_factory=Counter)  # the main (HGMMA) loop's body, `sass_gemm_loop`
+    gemm_loops: list = field(default_factory=list)  # every HGMMA loop's opcodes, in program order
     missing: list = field(default_factory=list)
     errors: list = field(default_factory=list)
     ptx_text: Optional[str] = field(default=None, repr=False)
@@ -252,6 +260,7 @@ def report_from_ptx(ptx: str, *, kernel: str = "kernel", arch: str = "sm_90a", c
             return rep
         rep.opcodes = sass_opcodes(dis.stdout)
         rep.loop_opcodes = sass_gemm_loop(dis.stdout)
+        rep.gemm_loops = sass_gemm_loops(dis.stdout)
     return rep
 
 

@@ -115,11 +115,11 @@ def test_launcher_config_for_a_document_mask_has_no_spills(D):
 # Forward spill bytes (stores, loads) of gallery variants whose mods keep many values live, measured at the commit that
 # set them (benchmarks/results/gallery_forward_spills_2026-11-30b.json): a ceiling, so a change that makes them worse
 # fails here; lowering them is open work. ptxas allocates for the whole kernel, so a change elsewhere in the kernel
-# can move spills between variants (the key-tail test leaving the full-block loop lowered five, raised three).
-GALLERY_SPILL_CEILINGS = {("document", 128): (12, 28), ("document", 64): (0, 0), ("shared_prefix", 128): (0, 0),
-                          ("tree_attention", 128): (60, 60), ("natten_2d_dilated", 128): (188, 204),
-                          ("bigbird", 128): (196, 204), ("dilated_sliding_window", 64): (64, 64),
-                          ("sliding_tile", 128): (24, 40)}
+# can move spills between variants (taking the key-tail test out of both loops lowered most, raised a few).
+GALLERY_SPILL_CEILINGS = {("document", 128): (12, 28), ("document", 64): (0, 0), ("shared_prefix", 128): (4, 12),
+                          ("tree_attention", 128): (0, 0), ("natten_2d_dilated", 128): (188, 200),
+                          ("bigbird", 128): (52, 60), ("block_diffusion", 128): (156, 156),
+                          ("dilated_sliding_window", 64): (0, 0), ("sliding_tile", 128): (0, 0)}
 
 
 @pytest.mark.parametrize("name,D", list(GALLERY_SPILL_CEILINGS))
@@ -137,10 +137,11 @@ def test_gallery_forward_spills_do_not_grow(name, D):
                                                                                rep.spill_load_bytes)
 
 
-def test_full_block_loop_of_a_masked_kernel_is_the_dense_loop():
-    """Under a block mask the full-block loop carries no key-tail test (the host lists the ragged last block as
-    partial): before that, ptxas if-converted the test into 66 FSEL, 32 ISETP and 31 VIADD per step, 622 SASS
-    instructions against the dense loop's 448. The partial-block loop keeps its mask_mod and tail selects."""
+def test_masked_kernel_loops_carry_no_key_tail_test():
+    """Only the first visited block can be the ragged last KV block (the host lists it first), so neither loop of a
+    masked kernel tests for the key tail. As a per-step `if`, ptxas had if-converted it into 66 FSEL, 32 ISETP and
+    31 VIADD on every step: 622 instructions per full-block step against the dense loop's 448, and a second select
+    per element in the partial-block loop (744 instructions for causal; 619 without)."""
     from flexlab.viz.compile_report import report_from_ptx
     loops = {}
     for kind in ("dense", "causal"):
@@ -148,10 +149,12 @@ def test_full_block_loop_of_a_masked_kernel_is_the_dense_loop():
         rep = report_from_ptx(ptx)
         if rep.missing:
             pytest.skip(f"needs {rep.missing}")
-        loops[kind] = rep.loop_opcodes
-    dense, causal = (sum(loops[k].values()) for k in ("dense", "causal"))
-    assert loops["causal"].get("FSEL", 0) <= 4, loops["causal"].most_common(8)
-    assert causal <= dense * 1.05, (causal, dense)
+        loops[kind] = [c for c in rep.gemm_loops if c.get("MUFU.EX2")]
+    (dense,), (partial, full) = loops["dense"], loops["causal"]
+    assert sum(full.values()) <= sum(dense.values()) * 1.05, (sum(full.values()), sum(dense.values()))
+    assert full.get("FSEL", 0) <= 4, full.most_common(8)
+    # the partial-block loop: one select per score (64 per thread) for mask_mod, no second one for the tail
+    assert partial.get("FSEL", 0) <= 70, partial.most_common(8)
 
 
 def test_kv_multicast_cluster_compiles_and_refuses_block_masks():

@@ -45,26 +45,67 @@ def _everything(b, h, q, kv):
     return q >= 0
 
 
-def test_ragged_last_kv_block_is_always_partial():
-    # The forward kernel masks the key tail only on partial blocks, so a full last block must move to the partial
-    # list (after the partial blocks already listed), and nothing else may change.
-    for mod, skv in ((_everything, 1000), (_window, 900), (_causal, 1000)):
-        bm = create_block_mask(mod, 2, 1, 1000, skv, BLOCK_SIZE=128)
+def _kernel_walk(q, k, v, mask_mod, kbm, tile_m, tile_n):
+    """float64 attention as the forward kernel computes it: whole padded KV tiles (keys past Skv are zero rows, as TMA
+    fills them), the listed blocks in list order, mask_mod on partial blocks (evaluated on padded columns too), and
+    the key-tail mask on the first visited block only."""
+    S, Skv, D = q.shape[0], k.shape[0], q.shape[1]
+    n_kv = -(-Skv // tile_n)
+    kp = torch.zeros(n_kv * tile_n, D, dtype=q.dtype)
+    vp = torch.zeros_like(kp)
+    kp[:Skv], vp[:Skv] = k, v
+    out = torch.zeros_like(q)
+    for t in range(kbm.kv_num.shape[-1]):
+        rows = torch.arange(t * tile_m, min((t + 1) * tile_m, S))
+        blocks = [(j, True) for j in kbm.kv_idx[0, 0, t, :int(kbm.kv_num[0, 0, t])].tolist()]
+        blocks += [(j, False) for j in kbm.full_idx[0, 0, t, :int(kbm.full_num[0, 0, t])].tolist()]
+        s = torch.full((len(rows), n_kv * tile_n), float("-inf"), dtype=torch.float64)
+        for step, (j, partial) in enumerate(blocks):
+            cols = torch.arange(j * tile_n, (j + 1) * tile_n)
+            block = q[rows] @ kp[cols].T
+            if partial:
+                # column indices clamped to the last key, as the kernel does for mods that read captured tensors
+                keep = mask_mod(0, 0, rows[:, None], cols.clamp(max=Skv - 1)[None, :])
+                block = block.masked_fill(~keep, float("-inf"))
+            if step == 0:
+                block = block.masked_fill(cols[None, :] >= Skv, float("-inf"))
+            s[:, cols] = block
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+        out[rows] = p @ vp
+    return out
+
+
+def _everything(b, h, q, kv):
+    return q >= 0
+
+
+def test_ragged_last_kv_block_comes_first():
+    # The forward kernel masks the key tail only on the first block it visits: wherever a Q tile visits the ragged
+    # last KV block, the lists must start with it (as a partial block), and otherwise hold the same blocks.
+    g = torch.Generator().manual_seed(1)
+    for mod, S, skv, tile_m in ((_everything, 1000, 1000, 128), (_window, 1000, 900, 128), (_causal, 1000, 1000, 128),
+                                (_causal, 1000, 1000, 192), (_doc_mask(1000), 1000, 1000, 192),
+                                (_everything, 300, 1000, 128)):
+        bm = create_block_mask(mod, 1, 1, S, skv, BLOCK_SIZE=128)
         n_kv = -(-skv // 128)
-        plain = kernel_block_mask(bm, 1000, 128, 128, n_kv * 128)  # lengths a tile multiple: lists as torch gave them
-        kbm = kernel_block_mask(bm, 1000, 128, 128, skv)
+        plain = kernel_block_mask(bm, S, tile_m, 128, n_kv * 128)  # a tile multiple: lists as torch gave them
+        kbm = kernel_block_mask(bm, S, tile_m, 128, skv)
         before = _states(plain.kv_num, plain.kv_idx, plain.full_num, plain.full_idx, n_kv)
         after = _states(kbm.kv_num, kbm.kv_idx, kbm.full_num, kbm.full_idx, n_kv)
         expect = before.clone()
         expect[..., -1][expect[..., -1] == 2] = 1
-        assert torch.equal(after, expect)
-        assert bool((after[..., -1] != 2).all())
-        assert kbm.kv_num.dtype == torch.int32 and kbm.full_idx.is_contiguous()
-    bm = create_block_mask(_everything, 1, 1, 1000, 1000, BLOCK_SIZE=128)
-    kbm = kernel_block_mask(bm, 1000, 128, 128, 1000)
-    # every Q tile but the ragged last one (all partial already): blocks 0-6 full, block 7 partial
-    assert kbm.kv_num.flatten().tolist()[:7] == [1] * 7 and kbm.full_num.flatten().tolist()[:7] == [7] * 7
-    assert bool((kbm.kv_idx[0, 0, :7, 0] == 7).all())
+        assert torch.equal(after, expect), mod.__name__
+        visits = after[..., -1] > 0
+        assert bool((kbm.kv_idx[..., 0][visits] == n_kv - 1).all())
+        assert kbm.kv_num.dtype == torch.int32 and kbm.kv_idx.is_contiguous() and kbm.full_idx.is_contiguous()
+        q, k, v = (torch.randn(n, 16, generator=g, dtype=torch.float64) for n in (S, skv, skv))
+        keep = mod(0, 0, torch.arange(S)[:, None], torch.arange(skv)[None, :])
+        ref = torch.softmax((q @ k.T).masked_fill(~keep, float("-inf")), dim=-1).nan_to_num(0.0) @ v
+        assert (_kernel_walk(q, k, v, mod, kbm, tile_m, 128) - ref).abs().max() < 1e-12, mod.__name__
+        pad = torch.arange(skv, n_kv * 128)
+        if bool(mod(0, 0, torch.arange(S)[:, None], pad.clamp(max=skv - 1)[None, :]).any()):
+            # mask_mod keeps some padded keys: the lists as torch gave them, walked the same way, leave them in
+            assert (_kernel_walk(q, k, v, mod, plain, tile_m, 128) - ref).abs().max() > 1e-8, mod.__name__
 
 
 def test_incompatible_block_size_is_explained():
