@@ -31,7 +31,11 @@ faster than them. `default_bwd_config` picks `tile_m` per call (128 at D=64 wher
   early_dv        dV += P^T dO is issued as soon as P is in 16 bits, before waiting for dP^T, so it runs on the tensor
                   cores while dS is formed, instead of after dS (FA3's order; the lean plan already issues it early).
                   Both consumer warpgroups reach the softmax and dS together (the dS barrier keeps them in step), so
-                  in the default order the tensor cores idle through it. Not yet timed on the H200.
+                  in the default order the tensor cores idle through it. Not yet timed on the H200;
+  dq_warp         a warp of the producer warpgroup issues the dQ reduces: a consumer warpgroup writes its partial
+                  to its slab, arrives on a named barrier and goes on, instead of syncing its four warps, electing a
+                  lane, issuing the TMA reduce and, a step later, waiting for the reduce to have read the slab (FA3's
+                  dQ writer; the deterministic mode's ordered waits move to that warp too). Not yet timed.
 """
 from __future__ import annotations
 
@@ -64,6 +68,7 @@ class BwdConfig:
     dq_split_rows: bool = False
     mask_early: bool = False
     early_dv: bool = False
+    dq_warp: bool = False
 
     @property
     def num_consumer_wgs(self) -> int:
@@ -177,6 +182,8 @@ def candidate_bwd_configs(head_dim: int, deterministic: bool = False,
         "dk_after_dq": replace(base, dk_after_dq=True),
         "stages3": replace(base, num_stages=3),
         "early_dv": replace(base, early_dv=True),
+        "dq_warp": replace(base, dq_warp=True),
+        "early_dv+dq_warp": replace(base, early_dv=True, dq_warp=True),
         # mask_mod before or after the S^T wait, whichever the default does not do
         "mask_late" if base.mask_early else "mask_early": replace(base, mask_early=not base.mask_early),
     }

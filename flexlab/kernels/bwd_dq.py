@@ -5,6 +5,10 @@ reduce-add per consumer warpgroup into the fp32 `dQaccum` buffer (`bwd_postproce
 deterministic mode the reduce of query tile m waits (acquire) until every lower KV tile that visits m has reduced its
 part, and signals (release) once its own has landed, so the fp32 sums are added in one fixed order.
 
+Who issues the reduce: the first warp of each consumer warpgroup (default), or, with `BwdConfig.dq_warp`, one warp of
+the producer warpgroup that walks the same schedule (`write_dq`): a consumer warpgroup then only writes its slab and
+arrives on DQ_FULL, and waits on DQ_EMPTY before writing the next one.
+
 Methods of `FlexBwdSm90` (a mixin): they read the kernel's static configuration from `self`.
 """
 from __future__ import annotations
@@ -13,7 +17,12 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
+from .block_sparse import KvSchedule
+from .layout import tma_tiles
 from .named_barrier import BwdBarrier
+
+# consumer warpgroup (128 threads) + the dQ warp
+DQ_HANDOFF_THREADS = 128 + 32
 
 
 def dq_issuer():
@@ -36,7 +45,14 @@ class BwdDqReduce:
         """Write this warpgroup's dQ partial to its shared-memory slab and add it into global memory with TMA.
 
         The caller has made sure the previous reduce finished reading the slab (`wait_dq_slab_free` before a barrier
-        the whole warpgroup passes)."""
+        the whole warpgroup passes). With a dQ warp the slab comes back through DQ_EMPTY instead, and the reduce is
+        that warp's job."""
+        if cutlass.const_expr(self.dq_warp):
+            cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_EMPTY_WG1) + wg, number_of_threads=DQ_HANDOFF_THREADS)
+            cute.autovec_copy(acc_dQ, tdQsdQ)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_FULL_WG1) + wg, number_of_threads=DQ_HANDOFF_THREADS)
+            return
         cute.autovec_copy(acc_dQ, tdQsdQ)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_READY_WG1) + wg, number_of_threads=128)
@@ -67,9 +83,50 @@ class BwdDqReduce:
     @cute.jit
     def wait_dq_slab_free(self):
         """The previous dQ reduce of this warpgroup has finished reading its shared-memory slab (issuing warp only;
-        a later barrier passes that on to the whole warpgroup)."""
-        if dq_issuer():
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        a later barrier passes that on to the whole warpgroup). Nothing to do with a dQ warp (DQ_EMPTY says it)."""
+        if cutlass.const_expr(not self.dq_warp):
+            if dq_issuer():
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def write_dq(self, mdQ, storage, sdQ_layout, tma_dq, n_block: Int32, head_kv: Int32, batch: Int32,
+                 qhead_per_kvhead: Int32, num_m_blocks: Int32, sparse, mdQsem, mRank):
+        """The dQ warp (`BwdConfig.dq_warp`): for every step of the consumers' walk and every consumer warpgroup,
+        wait for its partial (DQ_FULL), reduce it into global memory with TMA (in deterministic mode in its fixed
+        turn), and hand the slab back once the copy has read it (DQ_EMPTY). The slabs start free."""
+        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)  # (dq_rows, dq_cols, wg)
+        for w in cutlass.range_constexpr(self.num_wg):
+            cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY_WG1) + w, number_of_threads=DQ_HANDOFF_THREADS)
+        for g in cutlass.range(qhead_per_kvhead, unroll=1):
+            head = head_kv * qhead_per_kvhead + g
+            sched = KvSchedule(sparse, batch, head, n_block, num_m_blocks)
+            order = (mdQsem, mRank, sched.b, sched.h, n_block)
+            for i in cutlass.range(sched.total, unroll=1):
+                m_block = sched.block(i)
+                for w in cutlass.range_constexpr(self.num_wg):
+                    col_block = 0 if cutlass.const_expr(self.dq_split_rows) else w
+                    gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.dq_rows, self.dq_cols),
+                                          (None, col_block))
+                    tdQs, tdQg = tma_tiles(tma_dq, sdQ[None, None, w], gdQ)
+                    cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FULL_WG1) + w,
+                                      number_of_threads=DQ_HANDOFF_THREADS)
+                    if cutlass.const_expr(self.deterministic):
+                        self.wait_dq_turn(order, batch, head, m_block, w)
+                        cute.arch.sync_warp()
+                        cute.arch.fence_proxy("async.global")
+                    cute.copy(tma_dq, tdQs, tdQg[None, self.dq_tile_index(m_block, w)])  # elects one lane itself
+                    cute.arch.cp_async_bulk_commit_group()
+                    if cutlass.const_expr(self.deterministic):
+                        cute.arch.cp_async_bulk_wait_group(0, read=False)
+                        cute.arch.fence_proxy("async.global")
+                        cute.arch.sync_warp()
+                        if cute.arch.lane_idx() == 0:
+                            sem = mdQsem.iterator + cute.crd2idx((batch, head, m_block, w), mdQsem.layout)
+                            cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
+                    else:
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                    cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY_WG1) + w,
+                                             number_of_threads=DQ_HANDOFF_THREADS)
 
     @cute.jit
     def wait_dq_turn(self, order, batch: Int32, head: Int32, m_block: Int32, wg: Int32):

@@ -97,6 +97,7 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         self.needs_raw_scores = score_mod_bwd is not None or aux_grad is not None
         self.lean = self.needs_raw_scores and self.head_dim + self.tile_m > 128
         self.early_dv = cfg.early_dv and not self.lean  # (the lean plan issues dV early in its own way)
+        self.dq_warp = cfg.dq_warp
 
     def stats_bytes(self) -> int:
         """Bytes of LSE2 and D rows that land with each Q/dO stage (0 unless stats_in_smem)."""
@@ -238,6 +239,10 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
             if warp_idx == 0:
                 self.load(mQ, mK, mV, mdO, sQ, sK, sV, sdO, tma_q, tma_k, tma_v, tma_do, pipe_kv, pipe_qdo,
                           n_block, head_kv, batch, qhead_per_kvhead, num_m_blocks, sparse, stats)
+            if cutlass.const_expr(self.dq_warp):
+                if warp_idx == 1:
+                    self.write_dq(mdQ, storage, sdQ_layout, tma_dq, n_block, head_kv, batch, qhead_per_kvhead,
+                                  num_m_blocks, sparse, mdQsem, mRank)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             tidx = cute.arch.thread_idx()[0] - 128
@@ -323,7 +328,10 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
                           seqlen_k, log2_scale, mods, wg)
                 state.advance()
                 ds_index = 1 - ds_index
-        if dq_issuer():
+        if cutlass.const_expr(self.dq_warp):  # the dQ warp's last "slab free" (it also arrived once up front)
+            cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_EMPTY_WG1) + wg,
+                              number_of_threads=128 + cute.arch.WARP_SIZE)
+        elif dq_issuer():
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last dQ reduce has read shared memory
         self.epilogue(acc_dK, acc_dV, softmax_scale, mdK, mdV, storage, sKV_layout, tma_dk, tma_dv,
                       tiled_mma_dkv, tidx, warp_idx, n_block, head_kv, batch)

@@ -20,3 +20,8 @@ class BwdBarrier(enum.IntEnum):
     EPILOGUE = 2  # all GEMMs that read sK/sV are done; dK/dV may overwrite them
     DQ_READY_WG1 = 3  # one warpgroup's dQ partial is in shared memory, ready for the TMA reduce
     DQ_READY_WG2 = 4
+    # BwdConfig.dq_warp: a warpgroup hands its dQ partial to the dQ warp (FULL) and gets the slab back (EMPTY)
+    DQ_FULL_WG1 = 5
+    DQ_FULL_WG2 = 6
+    DQ_EMPTY_WG1 = 7
+    DQ_EMPTY_WG2 = 8

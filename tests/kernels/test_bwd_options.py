@@ -59,9 +59,14 @@ def _check_sync(ptx, cfg):
     assert _mbarrier_init_counts(ptx) == {1, 4 * cfg.num_consumer_wgs}
     allowed = {(str(int(BwdBarrier.DS_READY)), 128 * cfg.num_consumer_wgs),
                (str(int(BwdBarrier.EPILOGUE)), 128 * cfg.num_consumer_wgs)}
+    per_wg = 128  # the per-warpgroup dQ-ready barrier, its id computed from the warpgroup
+    if cfg.dq_warp:  # the hand-offs between a warpgroup and the dQ warp: 128 + 32 threads
+        per_wg = 160
+        allowed |= {(str(int(b)), 160) for b in (BwdBarrier.DQ_FULL_WG1, BwdBarrier.DQ_FULL_WG2,
+                                                  BwdBarrier.DQ_EMPTY_WG1, BwdBarrier.DQ_EMPTY_WG2)}
     for i, n in _named_barriers(ptx):
         if i.startswith("%"):
-            assert n == 128, (i, n)  # the per-warpgroup dQ-ready barrier
+            assert n == per_wg, (i, n)
         elif i != "0":
             assert (i, n) in allowed, (i, n)
     assert len(re.findall(r"\bbar\.sync\s+0;", ptx)) == 1
@@ -87,6 +92,9 @@ CELLS = [  # (name, head dim, options, kernel flavour): each option in a few fla
     ("early_dv-dense", 128, dict(early_dv=True), "dense"),
     ("early_dv-mask-d64", 64, dict(early_dv=True), "mask"),
     ("early_dv-det", 128, dict(early_dv=True), "det"),
+    ("dq_warp-dense", 128, dict(dq_warp=True), "dense"),
+    ("dq_warp-mask-d64", 64, dict(dq_warp=True), "mask"),
+    ("early_dv+dq_warp-det_mask", 128, dict(early_dv=True, dq_warp=True), "det_mask"),
     ("stages3-mask", 128, dict(num_stages=3), "mask"),
     ("stages3-det", 128, dict(num_stages=3), "det"),
     ("combined-det_mask", 128, dict(stats_in_smem=True, dk_after_dq=True, kv_tiles_first=True), "det_mask"),
@@ -118,6 +126,8 @@ def test_option_compiles_without_spills(name, D, options, kind):
         assert waits.count("1") >= (1 if lean else 2), waits
     if cfg.early_dv:  # S^T ready with dP^T in flight, then dP^T ready with dV in flight
         assert waits.count("1") >= 2, waits
+    if cfg.dq_warp:  # consumers hand partials over without waiting: bar.arrive on DQ_FULL, 160 threads
+        assert re.search(r"\bbar\.arrive\s+%?\w+,\s*160;", ptx), "no dQ hand-off arrive"
     if kind.startswith("det"):
         assert "ld.acquire.gpu.global.b32" in ptx and "red.release.gpu.global.add.s32" in ptx
     if cfg.dq_split_rows:
