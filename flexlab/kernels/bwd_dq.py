@@ -57,22 +57,28 @@ class BwdDqReduce:
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_READY_WG1) + wg, number_of_threads=128)
         if dq_issuer():
-            if cutlass.const_expr(self.deterministic):
-                self.wait_dq_turn(order, batch, head, m_block, wg)
-                cute.arch.sync_warp()  # every lane has seen the turn before the warp-collective copy
-                cute.arch.fence_proxy("async.global")  # the acquire orders the TMA (async proxy) reduce too
-            cute.copy(tma_dq, tdQs, tdQg[None, self.dq_tile_index(m_block, wg)])  # elects one lane itself
-            # Every lane commits and waits on its own bulk group (empty for the lanes that issued nothing), so the
-            # lane the copy elected is always covered without knowing which one it was.
-            cute.arch.cp_async_bulk_commit_group()
-            if cutlass.const_expr(self.deterministic):
-                cute.arch.cp_async_bulk_wait_group(0, read=False)  # the reduce has landed in global memory
-                cute.arch.fence_proxy("async.global")  # ... and is ordered before the generic-proxy release
-                cute.arch.sync_warp()
-                if cute.arch.lane_idx() == 0:
-                    mdQsem = order[0]
-                    sem = mdQsem.iterator + cute.crd2idx((batch, head, m_block, wg), mdQsem.layout)
-                    cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
+            self.issue_dq_reduce(tdQs, tdQg, tma_dq, m_block, order, batch, head, wg)
+
+    @cute.jit
+    def issue_dq_reduce(self, tdQs, tdQg, tma_dq, m_block: Int32, order, batch: Int32, head: Int32, wg: Int32):
+        """One whole warp: TMA reduce-add of warpgroup `wg`'s slab into Q tile `m_block`, in deterministic mode in its
+        fixed turn (acquire before, release once it has landed). Returns with the copy in flight otherwise."""
+        if cutlass.const_expr(self.deterministic):
+            self.wait_dq_turn(order, batch, head, m_block, wg)
+            cute.arch.sync_warp()  # every lane has seen the turn before the warp-collective copy
+            cute.arch.fence_proxy("async.global")  # the acquire orders the TMA (async proxy) reduce too
+        cute.copy(tma_dq, tdQs, tdQg[None, self.dq_tile_index(m_block, wg)])  # elects one lane itself
+        # Every lane commits and waits on its own bulk group (empty for the lanes that issued nothing), so the lane
+        # the copy elected is always covered without knowing which one it was.
+        cute.arch.cp_async_bulk_commit_group()
+        if cutlass.const_expr(self.deterministic):
+            cute.arch.cp_async_bulk_wait_group(0, read=False)  # the reduce has landed in global memory
+            cute.arch.fence_proxy("async.global")  # ... and is ordered before the generic-proxy release
+            cute.arch.sync_warp()
+            if cute.arch.lane_idx() == 0:
+                mdQsem = order[0]
+                sem = mdQsem.iterator + cute.crd2idx((batch, head, m_block, wg), mdQsem.layout)
+                cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
 
     def dq_tile_index(self, m_block: Int32, wg: Int32):
         """Which of the (dq_rows, dq_cols) global boxes `tdQg` was cut into this warpgroup reduces into."""
@@ -101,29 +107,18 @@ class BwdDqReduce:
             head = head_kv * qhead_per_kvhead + g
             sched = KvSchedule(sparse, batch, head, n_block, num_m_blocks)
             order = (mdQsem, mRank, sched.b, sched.h, n_block)
+            slabs = []  # per warpgroup: (its slab, this head's dQ tiles in that warpgroup's column block)
+            for w in cutlass.range_constexpr(self.num_wg):
+                col_block = 0 if cutlass.const_expr(self.dq_split_rows) else w
+                gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.dq_rows, self.dq_cols), (None, col_block))
+                slabs.append(tma_tiles(tma_dq, sdQ[None, None, w], gdQ))
             for i in cutlass.range(sched.total, unroll=1):
                 m_block = sched.block(i)
                 for w in cutlass.range_constexpr(self.num_wg):
-                    col_block = 0 if cutlass.const_expr(self.dq_split_rows) else w
-                    gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.dq_rows, self.dq_cols),
-                                          (None, col_block))
-                    tdQs, tdQg = tma_tiles(tma_dq, sdQ[None, None, w], gdQ)
                     cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FULL_WG1) + w,
                                       number_of_threads=DQ_HANDOFF_THREADS)
-                    if cutlass.const_expr(self.deterministic):
-                        self.wait_dq_turn(order, batch, head, m_block, w)
-                        cute.arch.sync_warp()
-                        cute.arch.fence_proxy("async.global")
-                    cute.copy(tma_dq, tdQs, tdQg[None, self.dq_tile_index(m_block, w)])  # elects one lane itself
-                    cute.arch.cp_async_bulk_commit_group()
-                    if cutlass.const_expr(self.deterministic):
-                        cute.arch.cp_async_bulk_wait_group(0, read=False)
-                        cute.arch.fence_proxy("async.global")
-                        cute.arch.sync_warp()
-                        if cute.arch.lane_idx() == 0:
-                            sem = mdQsem.iterator + cute.crd2idx((batch, head, m_block, w), mdQsem.layout)
-                            cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
-                    else:
+                    self.issue_dq_reduce(slabs[w][0], slabs[w][1], tma_dq, m_block, order, batch, head, w)
+                    if cutlass.const_expr(not self.deterministic):  # (deterministic: it has landed already)
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
                     cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY_WG1) + w,
                                              number_of_threads=DQ_HANDOFF_THREADS)

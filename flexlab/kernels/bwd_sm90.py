@@ -46,7 +46,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .block_sparse import KvSchedule
 from .bwd_config import BwdConfig
-from .bwd_dq import BwdDqReduce, dq_issuer
+from .bwd_dq import DQ_HANDOFF_THREADS, BwdDqReduce, dq_issuer
 from .bwd_producer import BwdProducer
 from .bwd_step import BwdStep, StepOperands, opaque_i32
 from .layout import bshd_view, convert_to_16bit, tma_tiles, transpose_smem
@@ -329,8 +329,7 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
                 state.advance()
                 ds_index = 1 - ds_index
         if cutlass.const_expr(self.dq_warp):  # the dQ warp's last "slab free" (it also arrived once up front)
-            cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_EMPTY_WG1) + wg,
-                              number_of_threads=128 + cute.arch.WARP_SIZE)
+            cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_EMPTY_WG1) + wg, number_of_threads=DQ_HANDOFF_THREADS)
         elif dq_issuer():
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last dQ reduce has read shared memory
         self.epilogue(acc_dK, acc_dV, softmax_scale, mdK, mdV, storage, sKV_layout, tma_dk, tma_dv,

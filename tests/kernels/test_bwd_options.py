@@ -88,13 +88,13 @@ CELLS = [  # (name, head dim, options, kernel flavour): each option in a few fla
     # other options (bwd_option_report.py has the whole matrix)
     ("combined-bias-d64", 64, dict(stats_in_smem=True, dk_after_dq=True, kv_tiles_first=True, tile_m=128,
                                    dq_split_rows=True), "bias"),
-    # (deterministic + block mask at D=128 spills 8 B already with the default 2 stages: not this option's doing)
     ("early_dv-dense", 128, dict(early_dv=True), "dense"),
     ("early_dv-mask-d64", 64, dict(early_dv=True), "mask"),
     ("early_dv-det", 128, dict(early_dv=True), "det"),
     ("dq_warp-dense", 128, dict(dq_warp=True), "dense"),
     ("dq_warp-mask-d64", 64, dict(dq_warp=True), "mask"),
     ("early_dv+dq_warp-det_mask", 128, dict(early_dv=True, dq_warp=True), "det_mask"),
+    # (deterministic + block mask at D=128 spills 8 B already with the default 2 stages: not this option's doing)
     ("stages3-mask", 128, dict(num_stages=3), "mask"),
     ("stages3-det", 128, dict(num_stages=3), "det"),
     ("combined-det_mask", 128, dict(stats_in_smem=True, dk_after_dq=True, kv_tiles_first=True), "det_mask"),
