@@ -7,8 +7,8 @@ built at that size serves both passes for every supported head dim (`shares_bloc
 
 The boolean fields are speed options; each setting is a separate compiled kernel, and
 `tests/kernels/bwd_perf_sweep.py` times and checks every candidate against the default on the H200. The default
-turns on `stats_in_smem` and (outside deterministic mode) `kv_tiles_first`: together they made the main kernel
-1.16-1.66x faster on every swept row (D=64 and 128, dense, causal, sliding window, soft-cap;
+turns on `stats_in_smem`, `dq_warp` (below) and (outside deterministic mode) `kv_tiles_first`. The first and last
+together made the main kernel 1.16-1.66x faster on every swept row (D=64 and 128, dense, causal, sliding window, soft-cap;
 benchmarks/results/bwd_sweep_h200_2026-11-30.json), fastest or within 1.5% of the fastest; `dk_after_dq` was never
 faster than them. `default_bwd_config` picks `tile_m` per call (128 at D=64 where it pays, see `D64_TILE_M`):
 
@@ -29,13 +29,15 @@ faster than them. `default_bwd_config` picks `tile_m` per call (128 at D=64 wher
                   N = head_dim) instead of all tile_m rows over head_dim / warpgroups columns (N = 32 at D=64, where
                   the shared-memory A operand limits the tensor cores); needs tile_m = 64 * warpgroups;
   early_dv        dV += P^T dO is issued as soon as P is in 16 bits, before waiting for dP^T, so it runs on the tensor
-                  cores while dS is formed, instead of after dS (FA3's order; the lean plan already issues it early).
-                  Both consumer warpgroups reach the softmax and dS together (the dS barrier keeps them in step), so
-                  in the default order the tensor cores idle through it. Not yet timed on the H200;
+                  cores while dS is formed, instead of after dS (FA3's order; the lean plan already issues it early)
+                  (measured and not used: 0.96-0.98x on the D=128 dense and causal and D=64 dense rows, its dS from
+                  16-bit P also adds rounding: 3.6e-3 rel-L2 against 2.4e-3; bwd_dq_warp_h200_2026-11-30.json);
   dq_warp         a warp of the producer warpgroup issues the dQ reduces: a consumer warpgroup writes its partial
                   to its slab, arrives on a named barrier and goes on, instead of syncing its four warps, electing a
                   lane, issuing the TMA reduce and, a step later, waiting for the reduce to have read the slab (FA3's
-                  dQ writer; the deterministic mode's ordered waits move to that warp too). Not yet timed.
+                  dQ writer; the deterministic mode's ordered waits move to that warp too). On by default: main
+                  kernel 1.04x (D=128 dense B4 S4k), 1.08x (causal), 1.09x (D=64 dense S16k) and 1.06x in
+                  deterministic mode (bwd_dq_warp_h200_2026-11-30.json).
 """
 from __future__ import annotations
 
@@ -68,7 +70,7 @@ class BwdConfig:
     dq_split_rows: bool = False
     mask_early: bool = False
     early_dv: bool = False
-    dq_warp: bool = False
+    dq_warp: bool = True
 
     @property
     def num_consumer_wgs(self) -> int:
@@ -182,8 +184,8 @@ def candidate_bwd_configs(head_dim: int, deterministic: bool = False,
         "dk_after_dq": replace(base, dk_after_dq=True),
         "stages3": replace(base, num_stages=3),
         "early_dv": replace(base, early_dv=True),
-        "dq_warp": replace(base, dq_warp=True),
-        "early_dv+dq_warp": replace(base, early_dv=True, dq_warp=True),
+        # the dQ reduce issued by the consumer warpgroups or by a producer warp, whichever the default does not do
+        "dq_in_consumers" if base.dq_warp else "dq_warp": replace(base, dq_warp=not base.dq_warp),
         # mask_mod before or after the S^T wait, whichever the default does not do
         "mask_late" if base.mask_early else "mask_early": replace(base, mask_early=not base.mask_early),
     }

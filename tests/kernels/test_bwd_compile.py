@@ -173,13 +173,15 @@ def test_main_kernel_with_learnable_bias_and_mask_d64():
     assert "atom.global.add.f32" in ptx  # the bias table's gradient
 
 
-def test_main_kernel_with_learnable_bias_d128_has_no_spills():
-    """With LSE2 and D read from shared memory (stats_in_smem, the default) the score_mod kernel at D=128 fits its
-    registers; reading them from global memory it spilled about 130 bytes."""
+def test_main_kernel_with_learnable_bias_d128_nearly_fits():
+    """With LSE2 and D read from shared memory (stats_in_smem) the score_mod kernel at D=128 fits its registers;
+    reading them from global memory it spilled about 130 bytes. The dQ warp (`BwdConfig.dq_warp`, 1.04-1.29x on the
+    swept rows) leaves 12 / 16 bytes of spill stores / loads here, the ceiling; the gallery's learnable relative bias
+    has none (benchmarks/results/gallery_backward_spills_2026-11-30b.json)."""
     from flexlab.kernels.bwd_launch import compile_main
     g = _learnable_bias_mods()
     _, report = _assemble(compile_main(_main_key(128, True, g), g.module(), options=" --keep-ptx"))
-    _no_spills(report)
+    assert report["spill_stores"] <= 12 and report["spill_loads"] <= 16, report
 
 
 @pytest.mark.parametrize("tile_m", [64, 128])
@@ -318,8 +320,8 @@ def test_score_grad_identity_is_read_from_the_derivative():
 @pytest.mark.parametrize("D", [64, 128])
 def test_document_mask_reading_a_captured_tensor_has_no_spills(D):
     """The launcher's configuration for a packed-document mask (two gathers of a captured id tensor per element, on
-    partial blocks) nearly fits its registers: the 8 / 4 bytes of spills measured at D=64 / 128 are the ceiling (the
-    variant without them, `mask_early`, ran 0.93x at D=64 on the H200)."""
+    partial blocks) fits its registers since the dQ warp took the reduce off the consumers (8 / 4 bytes of spills at
+    D=64 / 128 before; `mask_early`, which also avoided them, ran 0.93x at D=64 on the H200)."""
     from flexlab.codegen import generate
     from flexlab.kernels.bwd_launch import compile_main, config_for
     doc = torch.arange(4096, dtype=torch.int32) // 500
@@ -332,8 +334,7 @@ def test_document_mask_reading_a_captured_tensor_has_no_spills(D):
     key = _main_key(D, True, g)
     assert key.config == cfg
     _, report = _assemble(compile_main(key, g.module(), options=" --keep-ptx"))
-    ceiling = {64: 8, 128: 4}[D]
-    assert report["spill_stores"] <= ceiling and report["spill_loads"] <= ceiling, report
+    _no_spills(report)
 
 
 def test_d64_heavy_masks_keep_64_row_steps_without_spills():

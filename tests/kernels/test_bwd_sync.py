@@ -266,7 +266,6 @@ def _compile_main(D, block_sparse=False, deterministic=False, g=None):
                                                           (128, True, False), (64, True, True),
                                                           (128, False, True)])
 def test_backward_synchronisation_matches_the_config(D, block_sparse, deterministic):
-    from flexlab.kernels.bwd_sm90 import BwdBarrier
     ptx, cfg = _compile_main(D, block_sparse, deterministic)
     assert divergent_collectives(ptx) == []
     # TMA delivers whole boxes even past the sequence ends: K+V once, Q+dO per stage.
@@ -276,18 +275,28 @@ def test_backward_synchronisation_matches_the_config(D, block_sparse, determinis
     assert _expect_tx_bytes(ptx) == {kv_bytes, qdo_bytes}
     # full barriers: the one producer thread; empty barriers: one arrive per consumer warp.
     assert _mbarrier_init_counts(ptx) == {1, cfg.num_consumer_wgs * 4}
+    check_barrier_plan(ptx, cfg)
+
+
+def check_barrier_plan(ptx: str, cfg) -> None:
+    """Every named barrier is one of the plan's, with the thread count the plan gives it, and the CTA-wide barrier 0
+    is used once (before the role split)."""
+    from flexlab.kernels.named_barrier import BwdBarrier
     ids = {int(i) for i, _ in _named_barriers(ptx) if not i.startswith("%")}
     assert ids <= {0} | {int(b) for b in BwdBarrier}
     allowed = {(str(int(BwdBarrier.DS_READY)), 128 * cfg.num_consumer_wgs),
                (str(int(BwdBarrier.EPILOGUE)), 128 * cfg.num_consumer_wgs)}
+    per_wg = 128  # a barrier whose id is computed from the warpgroup: its four warps (the dQ slab is ready)
+    if cfg.dq_warp:  # a warpgroup's hand-offs with the dQ warp: 128 + 32 threads
+        per_wg = 160
+        allowed |= {(str(int(b)), 160) for b in (BwdBarrier.DQ_FULL_WG1, BwdBarrier.DQ_FULL_WG2,
+                                                  BwdBarrier.DQ_EMPTY_WG1, BwdBarrier.DQ_EMPTY_WG2)}
     for i, n in _named_barriers(ptx):
         if i.startswith("%"):
-            assert n == 128, (i, n)  # the per-warpgroup dQ-ready barrier
-        elif i == "0":
-            continue
-        else:
+            assert n == per_wg, (i, n)
+        elif i != "0":
             assert (i, n) in allowed, (i, n)
-    assert len(re.findall(r"\bbar\.sync\s+0;", ptx)) == 1  # only the CTA sync before the role split
+    assert len(re.findall(r"\bbar\.sync\s+0;", ptx)) == 1
 
 
 def test_triage_script_reports_a_hang_instead_of_going_silent(tmp_path):
