@@ -41,6 +41,10 @@ D128_STAGES_FROM_SEQLEN: tuple[tuple[int, int], ...] = ()
 # D=64 with a block mask (no score_mod): 192-row tiles (a BlockMask at 128 is then merged per tile, see
 # `flexlab.runtime.sparsity`), or 128. H200 causal, kernel time: 1.06x at B4 S4k, 1.13x at B1 S16k over 128 rows.
 D64_SPARSE_TILE_M = 192
+# D=64 dense (no mask, no score_mod): CTAs per K/V multicast cluster (`FwdConfig.cluster_m`), 1 or 2. H200, kernel
+# time over three sweeps: 1.03-1.07x at B4 S4k and B1 S16k; at D=128 the same option stayed within run-to-run noise
+# (0.99-1.02x), so D=128 keeps 1 (benchmarks/results/fwd_cluster2_h200_2026-11-30.json).
+D64_DENSE_CLUSTER_M = 2
 # Persistent kernels (one CTA per SM looping over tiles) for every default configuration; the launcher fills in the
 # device's SM count.
 PERSISTENT = False
@@ -73,7 +77,7 @@ class FwdConfig:
     mask_early: bool = False
     # Dense grids only: two CTAs with neighbouring Q tiles of one head form a cluster, and each loads half of every
     # K/V block and multicasts it to both, halving K/V traffic from L2. Nsight, dense B4 S4k: our kernel moved 4.1 GB
-    # through L2 against FA4's 2.2 GB, whose dense path does this. Not yet timed on the H200 (a sweep candidate).
+    # through L2 against FA4's 2.2 GB, whose dense path does this. Default at D=64 only (`D64_DENSE_CLUSTER_M`).
     cluster_m: int = 1
     # Debug only, never set by the public API: stages removed for timing (names in ABLATIONS; results are wrong).
     ablate: tuple[str, ...] = ()
@@ -168,11 +172,12 @@ def default_config(head_dim: int, block_sparse: bool = False, has_score_mod: boo
     D=64 without a score_mod uses 192-row tiles (three consumer warpgroups), also under a block mask at torch's
     default 128 block size unless `D64_SPARSE_TILE_M` says 128; a score_mod's extra registers spill at 160 per
     thread, so it gets 128-row tiles, and so do mods that read captured tensors (`captured_tensors`: a document mask
-    at 192 rows spills 56 bytes, the clamped gathers' addresses).
+    at 192 rows spills 56 bytes, the clamped gathers' addresses). Dense D=64 also pairs CTAs into K/V multicast
+    clusters (`D64_DENSE_CLUSTER_M`).
     """
     if head_dim <= 64:
         if not block_sparse and not has_score_mod:  # H200, B4 S4k: 496 TFLOP/s vs 465 with 2 stages, 430 at 128 rows
-            return FwdConfig(head_dim=64, tile_m=192, tile_n=128, num_stages=3)
+            return FwdConfig(head_dim=64, tile_m=192, tile_n=128, num_stages=3, cluster_m=D64_DENSE_CLUSTER_M)
         if block_sparse and not has_score_mod and not captured_tensors and D64_SPARSE_TILE_M == 192:
             return FwdConfig(head_dim=64, tile_m=192, tile_n=128, num_stages=3)
         return FwdConfig(head_dim=64, tile_m=128, tile_n=128, num_stages=2)

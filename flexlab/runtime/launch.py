@@ -57,8 +57,8 @@ def _config(head_dim: int, sparse: bool, has_score_mod: bool, d128_stage_count: 
     cfg = default_config(head_dim, sparse, has_score_mod, captured_tensors=captured_tensors)
     if head_dim == 128 and d128_stage_count != cfg.num_stages:
         cfg = dataclasses.replace(cfg, num_stages=d128_stage_count)
-    if persistent_ctas:
-        cfg = dataclasses.replace(cfg, persistent_ctas=persistent_ctas)
+    if persistent_ctas:  # a persistent CTA walks tiles alone: no cluster partner to share K/V with
+        cfg = dataclasses.replace(cfg, persistent_ctas=persistent_ctas, cluster_m=1)
     return cfg
 
 

@@ -95,7 +95,8 @@ def variants_for(row, base, num_sms: int) -> list[Variant]:
         if (stage == "mask_mod" and not has_mask) or (stage == "score_mod" and not has_score):
             continue
         out.append(Variant(f"-{stage}", "ablation", rep(base, ablate=(stage,)), ABLATIONS[stage]))
-    cand = [Variant("persistent", "candidate", rep(base, persistent_ctas=num_sms),
+    # (a persistent CTA has no cluster partner: those candidates run without K/V multicast)
+    cand = [Variant("persistent", "candidate", rep(base, persistent_ctas=num_sms, cluster_m=1),
                     f"{num_sms} CTAs loop over tiles; O in its own buffer when it fits")]
     if row.D == 128:
         cand.append(Variant("stages3", "candidate", rep(base, num_stages=3), "3 K/V stages"))
@@ -117,9 +118,11 @@ def variants_for(row, base, num_sms: int) -> list[Variant]:
                      heads_group=heads_per_group(row.S, row.D, 2, 1, row.B * row.H, l2_budget_bytes=mb << 20))
              for mb in (8, 16)]
     cand.append(Variant("baseline_again", "candidate", base, "the baseline timed again (noise)"))
-    if not has_mask and not has_score:
+    if not has_mask and not has_score and base.cluster_m == 1:
         cand.append(Variant("cluster2", "candidate", rep(base, cluster_m=2),
                             "2-CTA clusters share each K/V load (TMA multicast)"))
+    elif base.cluster_m > 1:
+        cand.append(Variant("no_cluster", "candidate", rep(base, cluster_m=1), "every CTA loads its own K/V"))
     cand += [Variant("exp2_poly2", "candidate", rep(base, exp2_poly=2), "2 of 8 exponentials on the FMA pipe"),
              Variant("exp2_poly4", "candidate", rep(base, exp2_poly=4), "4 of 8 exponentials on the FMA pipe"),
              Variant("rescale_before_pv", "candidate", rep(base, rescale_before_pv=True),
@@ -130,7 +133,7 @@ def variants_for(row, base, num_sms: int) -> list[Variant]:
     if has_mask:
         cand.append(Variant("mask_early", "candidate", rep(base, mask_early=True),
                             "partial blocks: mask_mod into bit masks while the QK GEMM runs"))
-    combo = dict(persistent_ctas=num_sms, rescale_before_pv=True, early_block_index=has_mask,
+    combo = dict(persistent_ctas=num_sms, cluster_m=1, rescale_before_pv=True, early_block_index=has_mask,
                  exp2_poly=2 if row.D == 64 else 0)
     cand.append(Variant("combo", "candidate", rep(base, **combo), "persistent + rescale_before_pv"
                         + (" + early_block_index" if has_mask else "") + (" + exp2_poly2" if row.D == 64 else "")))
