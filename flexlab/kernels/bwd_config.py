@@ -36,8 +36,9 @@ faster than them. `default_bwd_config` picks `tile_m` per call (128 at D=64 wher
                   to its slab, arrives on a named barrier and goes on, instead of syncing its four warps, electing a
                   lane, issuing the TMA reduce and, a step later, waiting for the reduce to have read the slab (FA3's
                   dQ writer; the deterministic mode's ordered waits move to that warp too). On by default: main
-                  kernel 1.04x (D=128 dense B4 S4k), 1.08x (causal), 1.09x (D=64 dense S16k) and 1.06x in
-                  deterministic mode (bwd_dq_warp_h200_2026-11-30.json).
+                  kernel 1.01-1.20x faster on all 12 swept rows (D=64 and 128; dense, causal, sliding window,
+                  documents, soft-cap) and 1.03-1.29x in deterministic mode (bwd_dq_warp_h200_2026-11-30.json,
+                  bwd_dq_warp_rows_h200_2026-11-30.json); gallery backward spills 1148 -> 584 bytes.
 """
 from __future__ import annotations
 

@@ -175,7 +175,7 @@ def test_main_kernel_with_learnable_bias_and_mask_d64():
 
 def test_main_kernel_with_learnable_bias_d128_nearly_fits():
     """With LSE2 and D read from shared memory (stats_in_smem) the score_mod kernel at D=128 fits its registers;
-    reading them from global memory it spilled about 130 bytes. The dQ warp (`BwdConfig.dq_warp`, 1.04-1.29x on the
+    reading them from global memory it spilled about 130 bytes. The dQ warp (`BwdConfig.dq_warp`, 1.01-1.29x on the
     swept rows) leaves 12 / 16 bytes of spill stores / loads here, the ceiling; the gallery's learnable relative bias
     has none (benchmarks/results/gallery_backward_spills_2026-11-30b.json)."""
     from flexlab.kernels.bwd_launch import compile_main
