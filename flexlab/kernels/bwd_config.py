@@ -8,9 +8,9 @@ built at that size serves both passes for every supported head dim (`shares_bloc
 The boolean fields are speed options; each setting is a separate compiled kernel, and
 `tests/kernels/bwd_perf_sweep.py` times and checks every candidate against the default on the H200. The default
 turns on `stats_in_smem`, `dq_warp` (below) and (outside deterministic mode) `kv_tiles_first`. The first and last
-together made the main kernel 1.16-1.66x faster on every swept row (D=64 and 128, dense, causal, sliding window, soft-cap;
-benchmarks/results/bwd_sweep_h200_2026-11-30.json), fastest or within 1.5% of the fastest; `dk_after_dq` was never
-faster than them. `default_bwd_config` picks `tile_m` per call (128 at D=64 where it pays, see `D64_TILE_M`):
+together made the main kernel 1.16-1.66x faster on every swept row (D=64 and 128, dense, causal, sliding window,
+soft-cap; benchmarks/results/bwd_sweep_h200_2026-11-30.json), fastest or within 1.5% of the fastest; `dk_after_dq`
+was never faster than them. `default_bwd_config` picks `tile_m` per call (128 at D=64 where it pays, see `D64_TILE_M`):
 
   stats_in_smem   the producer copies each step's LSE2 and D rows (tile_m fp32 each) into shared memory with the Q/dO
                   tiles, instead of every consumer thread loading its tile_m / 4 values of each from global memory

@@ -5,14 +5,16 @@ attends to them, for every query head of its GQA group, so dK and dV are complet
 stored once, without atomics, and are the same bits on every run.
 
   * warpgroup 0 is the producer: one warp loads K and V once, then Q and dO tiles into a `num_stages` ring (TMA);
+    a second warp (the dQ warp, `BwdConfig.dq_warp`, on by default) issues the consumers' dQ reduces;
   * consumers compute the transposed scores S^T = K Q^T and dP^T = V dO^T, so P^T and dS^T come out of the
     accumulators already in the layout the dV += P^T dO and dK += dS^T Q GEMMs want as register operands;
   * P is recomputed from the forward's LSE (base 2, from `bwd_preprocess`): P = exp2(score_mod(s) * c - LSE2), with
     mask_mod applied on partial blocks only and the key tail masked; dS = P * (dP - D);
   * the code generator's `score_mod_bwd` turns dS into the gradient of the raw score, and `score_mod_aux_grad` adds
     the gradients of captured tensors (learnable biases) with fp32 atomics, both inlined per element;
-  * dS is written to shared memory (double-buffered), both warpgroups compute half of dQ = dS K each, and every
-    warpgroup reduces its half into the fp32 dQ buffer with one TMA reduce-add (`bwd_postprocess` scales it);
+  * dS is written to shared memory (double-buffered), both warpgroups compute half of dQ = dS K each and write it
+    to a shared-memory slab, which the dQ warp adds into the fp32 dQ buffer with one TMA reduce-add per warpgroup
+    (`bwd_postprocess` scales it);
   * epilogue: dK (times the softmax scale) and dV go to shared memory over K and V and out with TMA stores.
 
 The kernel's pieces live in one module each: `bwd_producer` (the TMA producer warp), `bwd_step` (the per-step math of
@@ -23,9 +25,9 @@ Query-direction block sparsity comes from torch's BlockMask (q_num_blocks/q_indi
 the forward's `KvSchedule` with the roles of Q and KV swapped: partial blocks (mask_mod) first, then full blocks.
 
 Deterministic mode: dK/dV are already run-to-run identical (one CTA, fixed order). dQ partials are fp32 sums over KV
-tiles, so their order is fixed: before its TMA reduce-add into Q tile m, a warpgroup waits (acquire) until a
-semaphore for (batch, head, m, half) equals the number of lower KV tiles that visit m (n_block when dense, a host-built
-rank table with a block mask), and releases it once the reduce has landed. CTAs are launched KV-tile-slowest, so a
+tiles, so their order is fixed: before the TMA reduce-add of a warpgroup's partial into Q tile m, the issuing warp
+waits (acquire) until a semaphore for (batch, head, m, half) equals the number of lower KV tiles that visit m
+(n_block when dense, a host-built rank table with a block mask), and releases it once the reduce has landed. CTAs are launched KV-tile-slowest, so a
 CTA only ever waits for CTAs launched before it. Captured-tensor gradients are accumulated through
 `bwd_aux_grad.add_aux_grad`, which turns them into exact int64 fixed-point atomics in deterministic mode.
 """

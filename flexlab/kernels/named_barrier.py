@@ -18,9 +18,9 @@ class FwdBarrier(enum.IntEnum):
 class BwdBarrier(enum.IntEnum):
     DS_READY = 1  # both consumer warpgroups wrote their half of dS^T to shared memory
     EPILOGUE = 2  # all GEMMs that read sK/sV are done; dK/dV may overwrite them
-    DQ_READY_WG1 = 3  # one warpgroup's dQ partial is in shared memory, ready for the TMA reduce
+    DQ_READY_WG1 = 3  # without the dQ warp: one warpgroup's dQ partial is in shared memory, ready for the TMA reduce
     DQ_READY_WG2 = 4
-    # BwdConfig.dq_warp: a warpgroup hands its dQ partial to the dQ warp (FULL) and gets the slab back (EMPTY)
+    # BwdConfig.dq_warp (default): a warpgroup hands its dQ partial to the dQ warp (FULL), gets the slab back (EMPTY)
     DQ_FULL_WG1 = 5
     DQ_FULL_WG2 = 6
     DQ_EMPTY_WG1 = 7
