@@ -48,6 +48,11 @@ D64_DENSE_CLUSTER_M = 2
 # Persistent kernels (one CTA per SM looping over tiles) for every default configuration; the launcher fills in the
 # device's SM count.
 PERSISTENT = False
+# ... and, with PERSISTENT off, at D=128 for keys up to this long, where a CTA's own work (8 KV blocks at 1k) is
+# short beside its prologue. H200 kernel time, two sweeps: B8 S1k dense 1.05-1.07x, causal 1.06-1.07x; at B4 S4k
+# dense 1.00x, causal 0.92x, and at S16k down to 0.79x (fwd_sweep_h200_2026-11-30.json,
+# fwd_cluster2_h200_2026-11-30.json).
+D128_PERSISTENT_MAX_SEQLEN_K = 1024
 
 
 @dataclass(frozen=True)

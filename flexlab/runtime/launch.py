@@ -42,13 +42,19 @@ def compile_key(mods: KernelMods, dtype: torch.dtype, cfg: FwdConfig, arch: str,
                       cutlass_version=version, tvm_ffi=ffi)
 
 
+def runs_persistent(head_dim: int, seqlen_k: int | None) -> bool:
+    """Whether the default forward is persistent for this call (`PERSISTENT`, `D128_PERSISTENT_MAX_SEQLEN_K`)."""
+    return _policy.PERSISTENT or (head_dim == 128 and seqlen_k is not None
+                                  and seqlen_k <= _policy.D128_PERSISTENT_MAX_SEQLEN_K)
+
+
 def config_for(head_dim: int, sparse: bool, mods: KernelMods, seqlen_k: int | None = None,
                num_sms: int = 0) -> FwdConfig:
     """The kernel configuration flexlab runs for these inputs (`kernels.config.default_config` and its policy knobs,
-    which are read when a configuration is first chosen: set them before the first call); `num_sms` > 0 makes it
-    persistent when `kernels.config.PERSISTENT` is on."""
+    which are read when a configuration is first chosen: set them before the first call); `num_sms` > 0 (the
+    device's SM count) makes it persistent where `runs_persistent` says so."""
     return _config(head_dim, sparse, mods.score_mod is not None, d128_stages(seqlen_k) if head_dim == 128 else 0,
-                   num_sms if _policy.PERSISTENT else 0, bool(mods.aux_tensor_specs))
+                   num_sms if runs_persistent(head_dim, seqlen_k) else 0, bool(mods.aux_tensor_specs))
 
 
 @lru_cache(maxsize=None)
@@ -97,7 +103,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: KernelMods 
     if config is None:
         # Everything the default configuration depends on; the policy terms are constants unless a knob is set.
         stages = d128_stages(Skv) if D == 128 else 0
-        num_sms = _sm_count(q.device) if _policy.PERSISTENT else 0
+        num_sms = _sm_count(q.device) if runs_persistent(D, Skv) else 0
         fast = (mods, q.dtype, D, block_mask is not None, arch, stages, num_sms)
     hit = _FAST.get(fast) if fast is not None else None
     if hit is None:

@@ -96,8 +96,11 @@ def variants_for(row, base, num_sms: int) -> list[Variant]:
             continue
         out.append(Variant(f"-{stage}", "ablation", rep(base, ablate=(stage,)), ABLATIONS[stage]))
     # (a persistent CTA has no cluster partner: those candidates run without K/V multicast)
-    cand = [Variant("persistent", "candidate", rep(base, persistent_ctas=num_sms, cluster_m=1),
-                    f"{num_sms} CTAs loop over tiles; O in its own buffer when it fits")]
+    if base.persistent_ctas:  # the default at short keys: the candidate is one CTA per tile
+        cand = [Variant("not_persistent", "candidate", rep(base, persistent_ctas=0), "one CTA per tile")]
+    else:
+        cand = [Variant("persistent", "candidate", rep(base, persistent_ctas=num_sms, cluster_m=1),
+                        f"{num_sms} CTAs loop over tiles; O in its own buffer when it fits")]
     if row.D == 128:
         cand.append(Variant("stages3", "candidate", rep(base, num_stages=3), "3 K/V stages"))
         cand.append(Variant("persistent+stages3", "candidate", rep(base, num_stages=3, persistent_ctas=num_sms),
@@ -168,7 +171,7 @@ def _case_and_mods(row, device):
 
 def _variant(row, name: str, mods, num_sms: int) -> Variant:
     from flexlab.runtime import launch
-    base = launch.config_for(row.D, mods.mask_mod is not None, mods, row.S)
+    base = launch.config_for(row.D, mods.mask_mod is not None, mods, row.S, num_sms)  # what flexlab runs
     for v in variants_for(row, base, num_sms):
         if v.name == name:
             return v
@@ -656,7 +659,7 @@ def main(argv=None) -> int:
         return 2
     num_sms = args.num_sms or (torch.cuda.get_device_properties(0).multi_processor_count
                                if torch.cuda.is_available() else 132)
-    rows = sweep_rows("fwd causal B8 S1k H16 D128,fwd dense B8 S1k H16 D128" if args.selftest else args.rows)
+    rows = sweep_rows("fwd causal B4 S4k H16 D128,fwd dense B4 S4k H16 D128" if args.selftest else args.rows)
     timing_jobs, compile_jobs, families = [], [], set()
     chosen = None if args.variants == "all" else {"baseline", *(v.strip() for v in args.variants.split(","))}
     for row in rows:
@@ -736,8 +739,12 @@ def _variant_names(row, num_sms: int) -> list[str]:
     """Variant names of a row without building its mods (the config only decides feasibility, which does not
     depend on the mods beyond what `row_mods_kind` says)."""
     from flexlab.kernels.config import default_config
+    from flexlab.runtime.launch import runs_persistent
     has_score, has_mask = row_mods_kind(row.variant)
-    return [v.name for v in variants_for(row, default_config(row.D, has_mask, has_score, row.S), num_sms)]
+    base = default_config(row.D, has_mask, has_score, row.S)
+    if num_sms and runs_persistent(row.D, row.S):
+        base = dataclasses.replace(base, persistent_ctas=num_sms)
+    return [v.name for v in variants_for(row, base, num_sms)]
 
 
 def _usable_cache_dir(fallback_root: str):

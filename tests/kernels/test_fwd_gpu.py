@@ -168,8 +168,8 @@ def test_warm_call_host_overhead_is_small():
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("Sq,Skv,Hkv", [(1000, 1000, 4), (1023, 777, 1), (128, 4096, 2), (129, 129, 4)])
 def test_kv_multicast_cluster_candidate(D, Sq, Skv, Hkv):
-    # FwdConfig.cluster_m=2 (a sweep candidate): pairs of Q tiles share K/V loads; odd tile counts leave the last
-    # pair's second CTA past Sq, where it must neither write nor hang its partner.
+    # FwdConfig.cluster_m=2 (the D=64 dense default, forced here at D=128 too): pairs of Q tiles share K/V loads;
+    # odd tile counts leave the last pair's second CTA past Sq, where it must neither write nor hang its partner.
     import dataclasses
 
     from flexlab.kernels.config import default_config
@@ -179,3 +179,20 @@ def test_kv_multicast_cluster_candidate(D, Sq, Skv, Hkv):
     cfg = dataclasses.replace(default_config(D), cluster_m=2)
     out, lse = forward(q, k, v, KernelMods(), config=cfg)
     _check(out, lse, q, k, v)
+
+
+@needs_hopper
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("Sq,Skv,Hkv", [(1000, 1000, 16), (1023, 777, 4), (130, 1024, 2)])
+def test_persistent_forward_at_short_keys(masked, Sq, Skv, Hkv):
+    # D=128 with keys up to D128_PERSISTENT_MAX_SEQLEN_K runs persistent CTAs by default. 4 x 16 heads give 128-512
+    # tiles, so every CTA loops over several tiles of several heads (longest first under the causal mask).
+    from flexlab import create_block_mask
+    from flexlab.runtime import launch
+    from handwritten_mods import causal_mask, causal_mask_torch
+    mods = _mods(mask_mod=causal_mask, tag="causal") if masked else _mods()
+    assert launch.config_for(128, masked, mods, Skv, num_sms=132).persistent_ctas == 132
+    q, k, v = random_qkv(4, 16, Sq, Skv, 128, torch.bfloat16, "cuda", Hkv=Hkv)
+    bm = create_block_mask(causal_mask_torch, 1, 1, Sq, Skv, device="cuda") if masked else None
+    out, lse = _run(q, k, v, mods, block_mask=bm)
+    _check(out, lse, q, k, v, block_mask=bm)

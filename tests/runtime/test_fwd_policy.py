@@ -26,11 +26,14 @@ def fresh_policy(monkeypatch):
 @pytest.mark.parametrize("score_mod", [False, True])
 def test_launcher_defaults_are_the_measured_configs(fresh_policy, D, sparse, score_mod):
     mods = KernelMods(score_mod=(lambda *a: None) if score_mod else None)
-    for seqlen in (None, 1024, 16384):
+    for seqlen in (None, 1000, 1024, 1025, 16384):
         cfg = launch.config_for(D, sparse, mods, seqlen, num_sms=132)
-        assert cfg == default_config(D, sparse, score_mod)
-        assert cfg.persistent_ctas == 0 and cfg.ablate == () and cfg.exp2_poly == 0
+        short = D == 128 and seqlen is not None and seqlen <= 1024  # persistent at short keys, D=128 only
+        assert cfg.persistent_ctas == (132 if short else 0), (seqlen, cfg)
+        assert dataclasses.replace(cfg, persistent_ctas=0) == default_config(D, sparse, score_mod)
+        assert cfg.feasibility_error() is None and cfg.ablate == () and cfg.exp2_poly == 0
         assert not cfg.rescale_before_pv and not cfg.early_block_index
+        assert launch.config_for(D, sparse, mods, seqlen).persistent_ctas == 0  # no SM count known: not persistent
     assert default_config(128).num_stages == 2 and default_config(64, block_sparse=True).tile_m == 192
 
 
