@@ -301,7 +301,9 @@ def forward_kernel_report(score_mod=None, mask_mod=None, *, dtype: str = "bfloat
 
 def _forward_key(score_mod, mask_mod, dtype: str, head_dim: int, block_sparse: Optional[bool], arch: str):
     """(compile key, kernel mods, config) exactly as backend="cute" would build them for a launch with these mods
-    (UnsupportedModError from the code generator names the user's line). TVM-FFI is off: we want PTX, not a .so."""
+    (UnsupportedModError from the code generator names the user's line). TVM-FFI is off: we want PTX, not a .so.
+    No sequence length is known here: at D=128 keys up to `D128_PERSISTENT_MAX_SEQLEN_K` run this kernel with
+    persistent CTAs (`runtime.launch.runs_persistent`), the same code in a tile loop."""
     import dataclasses
 
     import torch
