@@ -27,9 +27,10 @@ the forward's `KvSchedule` with the roles of Q and KV swapped: partial blocks (m
 Deterministic mode: dK/dV are already run-to-run identical (one CTA, fixed order). dQ partials are fp32 sums over KV
 tiles, so their order is fixed: before the TMA reduce-add of a warpgroup's partial into Q tile m, the issuing warp
 waits (acquire) until a semaphore for (batch, head, m, half) equals the number of lower KV tiles that visit m
-(n_block when dense, a host-built rank table with a block mask), and releases it once the reduce has landed. CTAs are launched KV-tile-slowest, so a
-CTA only ever waits for CTAs launched before it. Captured-tensor gradients are accumulated through
-`bwd_aux_grad.add_aux_grad`, which turns them into exact int64 fixed-point atomics in deterministic mode.
+(n_block when dense, a host-built rank table with a block mask), and releases it once the reduce has landed. CTAs are
+launched KV-tile-slowest, so a CTA only ever waits for CTAs launched before it. Captured-tensor gradients are
+accumulated through `bwd_aux_grad.add_aux_grad`, which turns them into exact int64 fixed-point atomics in
+deterministic mode.
 """
 from __future__ import annotations
 

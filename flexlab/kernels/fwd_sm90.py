@@ -51,7 +51,6 @@ from .tile_scheduler import cluster_pair_tile, current_tile, tile_coords
 LOG2_E = math.log2(math.e)
 
 
-
 @cute.jit
 def wgmma(tiled_mma: cute.TiledMma, acc: cute.Tensor, t_a: cute.Tensor, t_b: cute.Tensor,
           zero_init: cutlass.Constexpr[bool], wait: cutlass.Constexpr[int]):
@@ -305,14 +304,13 @@ class FlexFwdSm90:
                 pipe.sync_object_empty.wait(state.index, state.phase)
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive(pipe.producer_get_barrier(state))
-        elif cutlass.const_expr(self.cluster_m > 1):
-            pipe.producer_acquire(state)
-            cute.copy(tma, tXgX[None, sched.block(step)], tXsX[None, state.index],
-                      tma_bar_ptr=pipe.producer_get_barrier(state), mcast_mask=cutlass.Int16((1 << self.cluster_m) - 1))
         else:
+            multicast = {}  # with a cluster, this CTA's half of the block lands in both CTAs
+            if cutlass.const_expr(self.cluster_m > 1):
+                multicast = {"mcast_mask": cutlass.Int16((1 << self.cluster_m) - 1)}
             pipe.producer_acquire(state)
             cute.copy(tma, tXgX[None, sched.block(step)], tXsX[None, state.index],
-                      tma_bar_ptr=pipe.producer_get_barrier(state))
+                      tma_bar_ptr=pipe.producer_get_barrier(state), **multicast)
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
