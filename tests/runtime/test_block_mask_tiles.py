@@ -75,10 +75,6 @@ def _kernel_walk(q, k, v, mask_mod, kbm, tile_m, tile_n):
     return out
 
 
-def _everything(b, h, q, kv):
-    return q >= 0
-
-
 def test_ragged_last_kv_block_comes_first():
     # The forward kernel masks the key tail only on the first block it visits: wherever a Q tile visits the ragged
     # last KV block, the lists must start with it (as a partial block), and otherwise hold the same blocks.
