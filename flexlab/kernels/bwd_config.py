@@ -27,7 +27,8 @@ was never faster than them. `default_bwd_config` picks `tile_m` per call (128 at
                   benchmarks/results/mask_early_h200_2026-11-30.json; with 64-row steps at D=128 it spills);
   dq_split_rows   each consumer warpgroup computes 64 query rows of the dQ partial over the whole head dim (wgmma
                   N = head_dim) instead of all tile_m rows over head_dim / warpgroups columns (N = 32 at D=64, where
-                  the shared-memory A operand limits the tensor cores); needs tile_m = 64 * warpgroups;
+                  the shared-memory A operand limits the tensor cores); needs tile_m = 64 * warpgroups; the default
+                  wherever D=64 runs 128-row steps (`default_bwd_config`);
   early_dv        dV += P^T dO is issued as soon as P is in 16 bits, before waiting for dP^T, so it runs on the tensor
                   cores while dS is formed, instead of after dS (FA3's order; the lean plan already issues it early)
                   (measured and not used: 0.96-0.98x on the D=128 dense and causal and D=64 dense rows, its dS from
@@ -151,13 +152,18 @@ def default_bwd_config(head_dim: int, deterministic: bool = False, mod_grads: bo
     - at head_dim 64, 128-row Q steps (`D64_TILE_M`) unless the kernel works on every score for a score_mod
       derivative or captured-tensor gradients (`mod_grads`) or evaluates a mask_mod of more than
       `D64_MAX_MASK_OPS` operations (`mask_ops`), and when the block mask's Q block (`q_block`, None without a mask)
-      is a multiple of 128.
+      is a multiple of 128;
+    - with those 128-row steps, `dq_split_rows`: each consumer warpgroup forms 64 rows of dQ over all 64 columns
+      (wgmma N = 64, not 32). Main kernel 1.01x dense, 1.05-1.07x causal, sliding window and documents at B1·S16k,
+      1.02x deterministic causal (benchmarks/results/bwd_d64_rows_h200_2026-11-30.json); at 64-row steps it does
+      not apply, and 128 rows with a soft-cap derivative were 0.93x.
     """
     tile_m = 64
     if (head_dim == 64 and not mod_grads and mask_ops <= D64_MAX_MASK_OPS
             and (q_block is None or q_block % D64_TILE_M == 0)):
         tile_m = D64_TILE_M
-    return BwdConfig(head_dim=head_dim, tile_m=tile_m, kv_tiles_first=not deterministic)
+    return BwdConfig(head_dim=head_dim, tile_m=tile_m, kv_tiles_first=not deterministic,
+                     dq_split_rows=head_dim == 64 and tile_m == 64 * 2)
 
 
 def shares_block_mask_with_forward(head_dim: int, block_size: int = 128) -> bool:
@@ -193,10 +199,13 @@ def candidate_bwd_configs(head_dim: int, deterministic: bool = False,
     if deterministic:  # `neither` is then the other order with global stats: not a new question
         del cands["neither"]
     if head_dim == 64:
-        other_m = 64 if base.tile_m == 128 else 128
-        cands[f"tile_m{other_m}"] = replace(base, tile_m=other_m)
         rows128 = replace(base, tile_m=128, dq_split_rows=True)
-        cands["tile_m128_dq_rows"] = rows128
+        if base.tile_m == 128:
+            cands["tile_m64"] = replace(base, tile_m=64, dq_split_rows=False)
+            cands["dq_cols"] = replace(base, dq_split_rows=False)  # 128-row steps, dQ split by columns
+        else:
+            cands["tile_m128"] = replace(base, tile_m=128)
+            cands["tile_m128_dq_rows"] = rows128
         cands["combined"] = replace(rows128, dk_after_dq=True)
     else:
         cands["combined"] = replace(base, dk_after_dq=True, num_stages=3)

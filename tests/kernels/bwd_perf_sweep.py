@@ -76,7 +76,8 @@ HEADS = 16
 DOCUMENT_LEN = 2000  # packed documents of 2000 tokens: boundaries inside tiles, so partial blocks on the diagonal
 DETERMINISTIC_ROWS = ("d128-dense-B4-S4k", "d128-causal-B4-S4k", "d64-causal-B1-S16k", "d128-sliding1024-B4-S4k")
 # of candidate_bwd_configs(D, True), where that head dim has them
-DETERMINISTIC_VARIANTS = ("default", "kv_tiles_first", "stats_from_global", "tile_m64", "dq_warp", "dq_in_consumers")
+DETERMINISTIC_VARIANTS = ("default", "kv_tiles_first", "stats_from_global", "tile_m64", "dq_cols", "dq_warp",
+                          "dq_in_consumers")
 
 
 def _candidates(D: int, deterministic: bool, kind: str):

@@ -21,9 +21,12 @@ def test_default_options_and_candidates_fit():
     from flexlab.kernels.bwd_config import BwdConfig, candidate_bwd_configs, default_bwd_config
     for D in (64, 128):
         cfg = default_bwd_config(D)
-        assert cfg == BwdConfig(head_dim=D, tile_m=128 if D == 64 else 64, tile_n=128, num_stages=2)
+        assert cfg == BwdConfig(head_dim=D, tile_m=128 if D == 64 else 64, tile_n=128, num_stages=2,
+                                dq_split_rows=D == 64)
         assert cfg.stats_in_smem and cfg.kv_tiles_first and cfg.dq_warp
-        assert not (cfg.dk_after_dq or cfg.dq_split_rows or cfg.early_dv or cfg.mask_early)
+        assert not (cfg.dk_after_dq or cfg.early_dv or cfg.mask_early)
+        # 64-row steps (a score_mod derivative) have no 64-row dQ halves to split between the warpgroups
+        assert not default_bwd_config(D, mod_grads=True).dq_split_rows
         det = default_bwd_config(D, deterministic=True)  # the fixed-order dQ reduction wants heads first
         assert det.stats_in_smem and not det.kv_tiles_first
         det_cands = candidate_bwd_configs(D, deterministic=True)
