@@ -22,9 +22,15 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 def tma_ready(t: torch.Tensor) -> torch.Tensor:
     """TMA needs a unit stride on D, 16-byte aligned other strides and base address; copy only when that fails."""
+    if _strides_ready(t) and not t.data_ptr() % 16:
+        return t
+    # not contiguous(): it returns a contiguous tensor as it is, misaligned base or odd size-1 strides included
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _strides_ready(t: torch.Tensor) -> bool:
     s0, s1, s2, s3 = t.stride()
-    ok = s3 == 1 and not (s0 % 8 or s1 % 8 or s2 % 8 or t.data_ptr() % 16) and s0 and s1 and s2
-    return t if ok else t.contiguous()
+    return s3 == 1 and not (s0 % 8 or s1 % 8 or s2 % 8) and bool(s0 and s1 and s2)
 
 
 @lru_cache(maxsize=None)

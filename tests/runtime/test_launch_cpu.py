@@ -18,6 +18,18 @@ def test_tma_ready_copies_only_when_needed():
     assert tma_ready(d_strided).stride(-1) == 1
 
 
+def test_tma_ready_copies_a_contiguous_but_misaligned_view():
+    """`contiguous()` returns such a view as it is, and the kernel call then refuses its base address."""
+    buf = torch.randn(3 * 40 * 64 + 8, dtype=torch.bfloat16)
+    shifted = buf[4:4 + 3 * 40 * 64].view(1, 3, 40, 64)  # 8 bytes past a 16-byte boundary
+    assert shifted.is_contiguous() and shifted.data_ptr() % 16
+    fixed = tma_ready(shifted)
+    assert fixed.data_ptr() % 16 == 0 and torch.equal(fixed, shifted)
+    odd_batch_stride = torch.randn(3, 40, 64, dtype=torch.bfloat16).as_strided((1, 3, 40, 64), (7, 2560, 64, 1))
+    assert odd_batch_stride.is_contiguous()  # torch ignores the stride of a size-1 dim; TMA does not
+    assert tma_ready(odd_batch_stride).stride(0) % 8 == 0
+
+
 def test_cpu_tensors_are_not_supported_with_a_reason():
     q = torch.randn(1, 2, 16, 64, dtype=torch.bfloat16)
     ok, reason = backend.is_supported(q, q, q, None, None, None, False)
