@@ -18,15 +18,16 @@ _HEAD_DIMS = (64, 128, 256)
 
 
 def _captured_state(fn) -> tuple:
-    """What a mod reads from outside: closure cells and the globals its code names. Numbers by value, tensors by
-    identity and in-place version, anything else by identity. Cheap enough to check on every call: where to look
-    is worked out once per function (`_readers`), only the values are read each time."""
+    """Its code object and what a mod reads from outside: closure cells and the globals its code names. Numbers by
+    value, tensors by identity and in-place version, anything else by identity. Cheap enough to check on every
+    call: where to look is worked out once per function (`_readers`), only the values are read each time."""
     if fn is None:
         return ()
     cells, glb, names = _readers(fn)
     values = [c.cell_contents for c in cells if _cell_full(c)]
     values += [glb[n] for n in names if n in glb]
-    return tuple([_fingerprint(v) for v in values])
+    # the code object too: a function whose __code__ was swapped must be traced again even if it reads the same
+    return (getattr(fn, "__code__", None), *[_fingerprint(v) for v in values])
 
 
 _READERS: dict = {}
@@ -226,8 +227,10 @@ def _load_launch():
     return launch
 
 
-def flex_attention_forward(q, k, v, score_mod, block_mask, scale, enable_gqa, captures_checked: bool = False):
-    """(out in q's dtype, lse fp32 natural log (B, Hq, Sq)).
+def flex_attention_forward(q, k, v, score_mod, block_mask, scale, enable_gqa, captures_checked: bool = False,
+                           with_lse: bool = True):
+    """(out in q's dtype, lse fp32 natural log (B, Hq, Sq)); lse is None with `with_lse=False`, which runs a kernel
+    that never writes it.
 
     Inputs arrive validated by flexlab.api, which has already asked `is_supported`; this path does no re-checking
     beyond the device so that a warm call stays within microseconds of host time. `captures_checked`: the caller
@@ -238,10 +241,55 @@ def flex_attention_forward(q, k, v, score_mod, block_mask, scale, enable_gqa, ca
     forward = (_LAUNCH or _load_launch()).forward
     mask_mod = _effective_mask_mod(block_mask)
     if score_mod is None and mask_mod is None:
-        return forward(q, k, v, block_mask=block_mask, scale=scale)
+        return forward(q, k, v, block_mask=block_mask, scale=scale, with_lse=with_lse)
     low = _LOWERED.get((score_mod, mask_mod)) if captures_checked else None
     if low is None:
         low = _lowered(score_mod, mask_mod)
-    return forward(q, k, v, low.mods, low.tensors_on(q.device), low.aux_scalars, block_mask, scale)
+    return forward(q, k, v, low.mods, low.tensors_on(q.device), low.aux_scalars, block_mask, scale,
+                   with_lse=with_lse)
 
 
+
+
+class WarmForward:
+    """A validated inference call, bound (`runtime.launch.BoundForward`): what `flexlab.flex_attention` runs when a
+    later call has the same signature. It re-checks only what can change between calls of one signature: whether
+    gradients are wanted (then the differentiable path runs) and what the mods capture (a changed capture goes back
+    to the full path, which lowers the mods again)."""
+
+    __slots__ = ("bound", "score_mod", "mask_mod", "lowered")
+
+    def __call__(self, q, k, v, scale):
+        """(out, lse), or None where the full path must run."""
+        grad = torch.is_grad_enabled()
+        if grad and (q.requires_grad or k.requires_grad or v.requires_grad):
+            return None
+        low = self.lowered
+        if low is not None:
+            if (_captured_state(self.score_mod), _captured_state(self.mask_mod)) != low.state:
+                return None
+            if grad and low.captured and any(t.requires_grad for t in low.captured):
+                return None
+        return self.bound(q, k, v, scale)
+
+
+def bind_forward(q, k, v, score_mod, block_mask, with_lse: bool = True) -> WarmForward | None:
+    """`WarmForward` for a call the full path has just validated and found forward-only, or None where it cannot be
+    bound (see `runtime.launch.bind`)."""
+    if q.device.type != "cuda":
+        return None
+    launch = _LAUNCH or _load_launch()
+    mask_mod = _effective_mask_mod(block_mask)
+    low = None
+    if score_mod is None and mask_mod is None:
+        bound = launch.bind(q, k, v, block_mask=block_mask, with_lse=with_lse)
+    else:
+        low = _LOWERED.get((score_mod, mask_mod))
+        if low is None:
+            return None
+        bound = launch.bind(q, k, v, low.mods, low.tensors_on(q.device), low.aux_scalars, block_mask, with_lse)
+    if bound is None:
+        return None
+    warm = WarmForward()
+    warm.bound, warm.score_mod, warm.mask_mod, warm.lowered = bound, score_mod, mask_mod, low
+    return warm

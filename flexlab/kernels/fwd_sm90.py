@@ -106,12 +106,15 @@ class FlexFwdSm90:
 
     # ------------------------------------------------------------------ host side
     @cute.jit
-    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
-                 softmax_scale: Float32, qhead_per_kvhead: Int32, heads_per_group: Int32, sparse, order,
-                 aux_tensors: tuple, aux_scalars: tuple, stream: cuda.CUstream):
-        """mQ/mO (B, Hq, Sq, D), mK/mV (B, Hkv, Skv, D) with unit stride on D; mLSE (B, Hq, Sq) fp32."""
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
+                 mLSE: Optional[cute.Tensor], softmax_scale: Float32, qhead_per_kvhead: Int32,
+                 heads_per_group: Int32, sparse, order, aux_tensors: tuple, aux_scalars: tuple,
+                 stream: cuda.CUstream):
+        """mQ/mO (B, Hq, Sq, D), mK/mV (B, Hkv, Skv, D) with unit stride on D; mLSE (B, Hq, Sq) fp32, or None for
+        an inference call that does not return it (the row statistics then never leave the registers)."""
         mQ, mK, mV, mO = [bshd_view(t) for t in (mQ, mK, mV, mO)]
-        mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))  # (Sq, Hq, B)
+        if cutlass.const_expr(mLSE is not None):
+            mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))  # (Sq, Hq, B)
         tile_m, tile_n, hd = self.tile_m, self.tile_n, self.head_dim
         tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
@@ -156,7 +159,7 @@ class FlexFwdSm90:
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
-    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE: cute.Tensor,
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE,
                tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_o: cute.CopyAtom,
                softmax_scale: Float32, log2_scale: Float32, qhead_per_kvhead: Int32, tiles, sparse, order,
                aux_tensors, aux_scalars, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
@@ -520,16 +523,18 @@ class FlexFwdSm90:
         else:
             # Ablation: a store that never happens (seqlen_q is never negative) keeps O live, so that the compiler
             # cannot delete the P·V GEMMs whose results nothing would read any more.
-            if seqlen_q < 0:
-                mLSE[0, head, batch] = acc_O[0]
+            if cutlass.const_expr(mLSE is not None):  # (sweeps run ablations with the LSE output)
+                if seqlen_q < 0:
+                    mLSE[0, head, batch] = acc_O[0]
 
-        c_rows = rows_view(coords)
-        if c_rows[0, 0][1] == 0:
-            q_base = m_block * self.tile_m
-            for r in cutlass.range_constexpr(cute.size(lse)):
-                q_idx = q_base + c_rows[r, 0][0]
-                if q_idx < seqlen_q:
-                    mLSE[q_idx, head, batch] = lse[r]
+        if cutlass.const_expr(mLSE is not None):
+            c_rows = rows_view(coords)
+            if c_rows[0, 0][1] == 0:
+                q_base = m_block * self.tile_m
+                for r in cutlass.range_constexpr(cute.size(lse)):
+                    q_idx = q_base + c_rows[r, 0][0]
+                    if q_idx < seqlen_q:
+                        mLSE[q_idx, head, batch] = lse[r]
 
         if cutlass.const_expr(store):
             stored = int(FwdBarrier.O_STORED if self.persistent else FwdBarrier.EPILOGUE)

@@ -47,6 +47,7 @@ class CompileKey(StampedKey):
     arch: str
     block_sparse: bool
     tile_order: bool
+    writes_lse: bool = True  # False: an inference kernel whose caller does not want the LSE
     tvm_ffi: bool = field(default_factory=lambda: tvm_ffi_available())
     kernel_source: str = field(default_factory=lambda: kernel_fingerprint())  # a kernel edit invalidates disk entries
 
@@ -102,7 +103,8 @@ def fake_arguments(key: CompileKey):
                          tuple(cute.sym_int64() for _ in range(ndim)))
         for name, ndim in key.aux_tensor_specs)
     aux_scalars = tuple(cutlass.Int32(0) if kind == "int" else cutlass.Float32(0.0) for kind in key.aux_scalar_kinds)
-    return (qkv(), qkv(), qkv(), qkv(), compact(cutlass.Float32, 3), cutlass.Float32(1.0), cutlass.Int32(1),
+    lse = compact(cutlass.Float32, 3) if key.writes_lse else None
+    return (qkv(), qkv(), qkv(), qkv(), lse, cutlass.Float32(1.0), cutlass.Int32(1),
             cutlass.Int32(1), sparse, order, aux_tensors, aux_scalars, make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi))
 
 

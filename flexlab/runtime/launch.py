@@ -41,10 +41,11 @@ def _static_key_parts() -> tuple[str, bool]:
 _FAST: dict[tuple, tuple] = {}
 
 
-def compile_key(mods: KernelMods, dtype: torch.dtype, cfg: FwdConfig, arch: str, sparse: bool) -> CompileKey:
+def compile_key(mods: KernelMods, dtype: torch.dtype, cfg: FwdConfig, arch: str, sparse: bool,
+                writes_lse: bool = True) -> CompileKey:
     version, ffi = _static_key_parts()
     return CompileKey(mods.source_hash, mods.score_mod is not None, mods.mask_mod is not None, mods.aux_tensor_specs,
-                      mods.aux_scalar_kinds, _DTYPE_NAMES[dtype], cfg, arch, sparse, sparse,
+                      mods.aux_scalar_kinds, _DTYPE_NAMES[dtype], cfg, arch, sparse, sparse, writes_lse,
                       cutlass_version=version, tvm_ffi=ffi)
 
 
@@ -79,12 +80,12 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _compiled(mods: KernelMods, dtype: torch.dtype, cfg: FwdConfig, arch: str, sparse: bool):
+def _compiled(mods: KernelMods, dtype: torch.dtype, cfg: FwdConfig, arch: str, sparse: bool, writes_lse: bool):
     """(compiled function, key); one small-tuple dict lookup once warm."""
-    fast = (mods, dtype, cfg, arch, sparse)
+    fast = (mods, dtype, cfg, arch, sparse, writes_lse)
     hit = _FAST.get(fast)
     if hit is None:
-        key = compile_key(mods, dtype, cfg, arch, sparse)
+        key = compile_key(mods, dtype, cfg, arch, sparse, writes_lse)
         hit = (forward_kernel(key, mods), key)
         _FAST[fast] = hit
     return hit
@@ -98,32 +99,41 @@ def _to_cute(t):
 _NO_MODS = KernelMods()
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: KernelMods = _NO_MODS,
-            aux_tensors: tuple = (), aux_scalars: tuple = (), block_mask=None, scale: float | None = None,
-            config: FwdConfig | None = None, arch: str = "sm_90a") -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the Hopper forward kernel. q (B, Hq, Sq, D), k/v (B, Hkv, Skv, D) on one CUDA device, bf16/fp16."""
-    B, Hq, Sq, D = q.shape
-    _, Hkv, Skv, _ = k.shape
+def _plan(q: torch.Tensor, k: torch.Tensor, mods: KernelMods, block_mask, config: FwdConfig | None, arch: str,
+          writes_lse: bool = True):
+    """(compiled function, key, sparse lists or None, launch order or None) for these inputs."""
+    D, Skv = q.shape[3], k.shape[2]
     sparse = order = None
     fast = None
     if config is None:
         # Everything the default configuration depends on; the policy terms are constants unless a knob is set.
         stages = d128_stages(Skv) if D == 128 else 0
         num_sms = _sm_count(q.device) if runs_persistent(D, Skv) else 0
-        fast = (mods, q.dtype, D, block_mask is not None, arch, stages, num_sms)
+        fast = (mods, q.dtype, D, block_mask is not None, arch, stages, num_sms, writes_lse)
     hit = _FAST.get(fast) if fast is not None else None
     if hit is None:
         cfg = config or config_for(D, block_mask is not None, mods, Skv, num_sms)
-        hit = _compiled(mods, q.dtype, cfg, arch, block_mask is not None)
+        hit = _compiled(mods, q.dtype, cfg, arch, block_mask is not None, writes_lse)
         if fast is not None:
             _FAST[fast] = hit
     fn, key = hit
     if block_mask is not None:
-        kbm = kernel_block_mask(block_mask, Sq, key.config.tile_m, key.config.tile_n, Skv)
+        kbm = kernel_block_mask(block_mask, q.shape[2], key.config.tile_m, key.config.tile_n, Skv)
         sparse, order = kbm.as_args(), kbm.order
+    return fn, key, sparse, order
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: KernelMods = _NO_MODS,
+            aux_tensors: tuple = (), aux_scalars: tuple = (), block_mask=None, scale: float | None = None,
+            config: FwdConfig | None = None, arch: str = "sm_90a", with_lse: bool = True):
+    """Run the Hopper forward kernel: (out, lse); lse is None with `with_lse=False` (a kernel that never writes it).
+    q (B, Hq, Sq, D), k/v (B, Hkv, Skv, D) on one CUDA device, bf16/fp16."""
+    B, Hq, Sq, D = q.shape
+    _, Hkv, Skv, _ = k.shape
+    fn, key, sparse, order = _plan(q, k, mods, block_mask, config, arch, with_lse)
     q, k, v = tma_ready(q), tma_ready(k), tma_ready(v)
     out = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
-    lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device)
+    lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device) if with_lse else None
     scale = D ** -0.5 if scale is None else float(scale)
     qpk = Hq // Hkv
     group = heads_per_group(Skv, D, 2, qpk, B * Hq, block_mask is not None)
@@ -133,7 +143,54 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: KernelMods 
         import cuda.bindings.driver as cuda
         stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
         conv_sparse = tuple(_to_cute(t) for t in sparse) if sparse is not None else None
-        fn(_to_cute(q), _to_cute(k), _to_cute(v), _to_cute(out), _to_cute(lse), scale, qpk, group,
-           conv_sparse, _to_cute(order) if order is not None else None,
+        fn(_to_cute(q), _to_cute(k), _to_cute(v), _to_cute(out), _to_cute(lse) if with_lse else None, scale, qpk,
+           group, conv_sparse, _to_cute(order) if order is not None else None,
            tuple(_to_cute(t) for t in aux_tensors), tuple(aux_scalars), stream)
     return out, lse
+
+
+class BoundForward:
+    """A forward launch with everything that depends only on the call's shapes, strides, dtype, device, mods and
+    block mask worked out once (kernel, launch grouping, sparse lists). Calling it with tensors of that signature
+    allocates O (and LSE, where the kernel writes it) and launches: the warm path of `flexlab.flex_attention`
+    (`backends.cute.WarmForward`)."""
+
+    __slots__ = ("fn", "out_like_q", "out_shape", "lse_shape", "dtype", "device", "default_scale", "qpk", "group",
+                 "sparse", "order", "aux_tensors", "aux_scalars", "block_mask")
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale) -> tuple | None:
+        """(out, lse or None), or None when a base address is not 16-byte aligned (then `forward` copies)."""
+        if q.data_ptr() % 16 or k.data_ptr() % 16 or v.data_ptr() % 16:
+            return None
+        # (empty_like parses no arguments: the cheapest allocation, where q has O's shape and layout)
+        out = torch.empty_like(q) if self.out_like_q else torch.empty(self.out_shape, dtype=self.dtype,
+                                                                        device=self.device)
+        lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32,
+                                                               device=self.device)
+        self.fn(q, k, v, out, lse, self.default_scale if scale is None else float(scale), self.qpk, self.group,
+                self.sparse, self.order, self.aux_tensors, self.aux_scalars)
+        return out, lse
+
+
+def bind(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: KernelMods = _NO_MODS, aux_tensors: tuple = (),
+         aux_scalars: tuple = (), block_mask=None, with_lse: bool = True, arch: str = "sm_90a") -> BoundForward | None:
+    """The default-configuration launch of `forward` for tensors shaped, strided and placed like these, or None
+    where it cannot be bound (strides TMA cannot read as they are; no TVM-FFI, so arguments convert per call)."""
+    if not (_strides_ready(q) and _strides_ready(k) and _strides_ready(v)):
+        return None
+    fn, key, sparse, order = _plan(q, k, mods, block_mask, None, arch, with_lse)
+    if not key.tvm_ffi:
+        return None
+    B, Hq, Sq, D = q.shape
+    Skv = k.shape[2]
+    bound = BoundForward()
+    bound.fn, bound.dtype, bound.device = fn, q.dtype, q.device
+    bound.out_shape, bound.lse_shape = (B, Hq, Sq, D), (B, Hq, Sq) if with_lse else None
+    bound.out_like_q = q.is_contiguous()
+    bound.default_scale = D ** -0.5
+    bound.qpk = Hq // k.shape[1]
+    bound.group = heads_per_group(Skv, D, 2, bound.qpk, B * Hq, block_mask is not None)
+    bound.sparse, bound.order = sparse, order
+    bound.aux_tensors, bound.aux_scalars = aux_tensors, aux_scalars
+    bound.block_mask = block_mask  # its kernel lists stay valid only while it lives
+    return bound

@@ -2,6 +2,7 @@
 ptxas reports no spills. This is the CI guard for register pressure."""
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -35,6 +36,18 @@ def test_flex_kernel_with_mods_and_block_sparsity_compiles_without_spills():
                aux_scalar_kinds=("float",), block_sparse=True, tile_order=True, dtype="float16")
     rep = compile_report(key, KernelMods(softcap_score, document_mask, "t", (("int32", 1),), ("float",)))
     assert rep.has_wgmma and rep.spill_store_bytes == 0 and rep.spill_load_bytes == 0, rep
+
+
+@pytest.mark.parametrize("block_sparse", [False, True])
+def test_inference_kernel_writes_no_lse(block_sparse):
+    """`writes_lse=False` (an inference call that does not return the LSE) drops the LSE stores and nothing else:
+    the only global stores of the forward are the LSE's (O leaves through TMA), so its PTX has none."""
+    from flexlab.runtime.compile import forward_ptx
+    key = _key(128, block_sparse=block_sparse, tile_order=block_sparse)
+    with_lse, without = forward_ptx(key), forward_ptx(dataclasses.replace(key, writes_lse=False))
+    assert "st.global" in with_lse and "st.global" not in without
+    assert without.count("wgmma.mma_async") == with_lse.count("wgmma.mma_async")
+    assert without.count("cp.async.bulk.tensor") == with_lse.count("cp.async.bulk.tensor")
 
 
 # SASS instructions per iteration of the dense forward's main loop (two GEMMs, the online softmax and the O

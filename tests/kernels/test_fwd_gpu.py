@@ -166,6 +166,49 @@ def test_warm_call_host_overhead_is_small():
 
 @needs_hopper
 @pytest.mark.parametrize("D", [64, 128])
+def test_warm_path_agrees_with_the_full_path(D):
+    """A repeated `flexlab.flex_attention` call runs its bound launch (`api._WARM`): the same bits as the full path,
+    with and without the LSE; a new captured scalar reaches the kernel; a misaligned view of the same signature and a call wanting gradients
+    go back to the full path and stay correct."""
+    import flexlab
+    import flexlab.api as api
+    cap = 20.0
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    q, k, v = random_qkv(1, 4, 1000, 1000, D, torch.bfloat16, "cuda", Hkv=2)
+    q = q * 4  # large scores so the cap matters
+    bm = flexlab.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, 1000, 1000,
+                                   device="cuda")
+
+    def call(query):
+        return flexlab.flex_attention(query, k, v, softcap, bm, enable_gqa=True, return_lse=True)
+
+    api._WARM.clear()
+    full = call(q)
+    assert len(api._WARM) == 1, "a forward-only call on the cute backend is remembered"
+    warm = call(q)
+    assert torch.equal(full[0], warm[0]) and torch.equal(full[1], warm[1])
+    _check(*warm, q, k, v, score_mod=softcap, block_mask=bm)
+    for _ in range(2):  # without return_lse: the kernel that writes no LSE, full path then warm, same O bits
+        out = flexlab.flex_attention(q, k, v, softcap, bm, enable_gqa=True)
+        assert torch.equal(out, full[0])
+    assert len(api._WARM) == 2
+    cap = 5.0
+    _check(*call(q), q, k, v, score_mod=softcap, block_mask=bm)
+    buf = torch.empty(q.numel() + 8, dtype=q.dtype, device="cuda")
+    shifted = buf[4:4 + q.numel()].view_as(q)  # 8 bytes past a 16-byte boundary: TMA cannot read it in place
+    shifted.copy_(q)
+    _check(*call(shifted), shifted, k, v, score_mod=softcap, block_mask=bm)
+    qg = q.detach().requires_grad_(True)
+    out, _ = call(qg)
+    (grad,) = torch.autograd.grad(out, qg, torch.randn_like(out))
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+@needs_hopper
+@pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("Sq,Skv,Hkv", [(1000, 1000, 4), (1023, 777, 1), (128, 4096, 2), (129, 129, 4)])
 def test_kv_multicast_cluster_candidate(D, Sq, Skv, Hkv):
     # FwdConfig.cluster_m=2 (the D=64 dense default, forced here at D=128 too): pairs of Q tiles share K/V loads;

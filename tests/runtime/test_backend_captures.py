@@ -85,18 +85,27 @@ def test_kernel_key_follows_the_generated_text_not_only_the_graph(monkeypatch):
     assert low.mods.source_hash != g.hash
 
 
-def _run_on_fake_cuda(monkeypatch, calls) -> list:
+def _run_on_fake_cuda(monkeypatch, calls, binds: list | None = None) -> list:
     """Run `calls(q)` through flexlab.flex_attention as if on a CUDA device, with the kernel launch replaced by a
-    stub; returns the captured scalars each launch received."""
+    stub; returns the captured scalars each launch received. Warm calls launch through what `launch.bind` returned
+    (`binds` collects the scalars bound each time the full path binds a call)."""
     from flexlab.runtime import launch
     seen = []
 
-    def fake_forward(q, k, v, mods=None, aux_tensors=(), aux_scalars=(), block_mask=None, scale=None):
+    def fake_forward(q, k, v, mods=None, aux_tensors=(), aux_scalars=(), block_mask=None, scale=None,
+                     with_lse=True):
         seen.append(tuple(aux_scalars))
-        return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+        return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32) if with_lse else None
+
+    def fake_bind(q, k, v, mods=None, aux_tensors=(), aux_scalars=(), block_mask=None, with_lse=True):
+        if binds is not None:
+            binds.append(tuple(aux_scalars))
+        return lambda q, k, v, scale: fake_forward(q, k, v, mods, aux_tensors, aux_scalars, block_mask, scale,
+                                                   with_lse)
 
     monkeypatch.setattr(backend, "_device_reason", lambda device: "")
     monkeypatch.setattr(launch, "forward", fake_forward)
+    monkeypatch.setattr(launch, "bind", fake_bind)
 
     class FakeCuda:  # what the Python-side checks read of a CUDA device
         type = "cuda"
