@@ -19,25 +19,18 @@ backends) and torch's compiled flex_attention on the same inputs.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(__file__))
+from bwd_host_probe import host_us  # noqa: E402  (idle: the GPU drained before each call)
+
 REPEATS = 300
 QUEUED_CALLS = 200
-
-
-def idle_us(fn) -> float:
-    samples = []
-    for _ in range(REPEATS):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(samples)
 
 
 def queued_us(fn) -> float:
@@ -111,7 +104,7 @@ def main(path: str) -> None:
         try:
             for _ in range(50):
                 fn()
-            rec = dict(entry=name, idle_us=idle_us(fn), queued_us=queued_us(fn))
+            rec = dict(entry=name, idle_us=host_us(fn, REPEATS)["median"], queued_us=queued_us(fn))
         except Exception as e:  # noqa: BLE001 - one missing peer must not lose the rest
             rec = dict(entry=name, error=f"{type(e).__name__}: {str(e)[:300]}")
         rows.append(rec)
