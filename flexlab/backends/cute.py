@@ -44,7 +44,7 @@ def _readers(fn) -> tuple:
     # A name of the code that is not a global now (an attribute such as `torch.where`'s `where`) cannot be one the
     # mod reads later: it would have failed to trace.
     names = tuple(n for n in code.co_names if n in glb) if code is not None else ()
-    _READERS[fn] = (code, (cells, glb, names))
+    _put_bounded(_READERS, fn, (code, (cells, glb, names)))
     return cells, glb, names
 
 
@@ -92,6 +92,16 @@ class _Lowered:
 
 
 _LOWERED: dict = {}
+# Mods defined afresh at every call (a closure inside a model's forward) make a new entry each time: the per-mod
+# caches keep the newest entries only, so such a loop does not hold every mod it ever saw (and what they capture).
+MOD_CACHE_ENTRIES = 512
+
+
+def _put_bounded(cache: dict, key, value) -> None:
+    cache.pop(key, None)
+    while len(cache) >= MOD_CACHE_ENTRIES:
+        del cache[next(iter(cache))]  # the oldest insertion
+    cache[key] = value
 
 
 def _lowered(score_mod, mask_mod) -> _Lowered:
@@ -105,7 +115,7 @@ def _lowered(score_mod, mask_mod) -> _Lowered:
         # fastmath: hardware approximations (tanh.approx, ex2.approx, ...) whose error is far below the bf16/fp16
         # rounding of P, the same trade FA4 makes for its soft-cap.
         hit = _Lowered(generate(score_mod, mask_mod, fastmath=True), state)
-        _LOWERED[key] = hit
+        _put_bounded(_LOWERED, key, hit)
     return hit
 
 

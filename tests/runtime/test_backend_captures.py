@@ -198,3 +198,23 @@ def test_only_a_learnable_table_requiring_grad_takes_the_differentiable_path(mon
     assert reason == "" and needs_grad
     with torch.no_grad():
         assert api._cute_plan(q, q, q, learnable, None) == ("", False)
+
+
+def test_mods_made_afresh_every_call_do_not_pile_up(monkeypatch):
+    """A closure defined inside a model's forward is a new function at every call: the per-mod caches keep only the
+    newest entries, so such a loop does not hold every mod (and every tensor it captured) it ever ran."""
+    monkeypatch.setattr(backend, "MOD_CACHE_ENTRIES", 4)
+    monkeypatch.setattr(backend, "_LOWERED", {})
+    monkeypatch.setattr(backend, "_READERS", {})
+    made = []
+    for i in range(10):
+        bias = torch.full((4,), float(i))
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + bias[h]
+
+        made.append(score_mod)
+        low = backend._lowered(score_mod, None)
+        assert torch.equal(low.aux_tensors[0], bias)
+    assert len(backend._LOWERED) <= 4 and len(backend._READERS) <= 4
+    assert (made[-1], None) in backend._LOWERED and (made[0], None) not in backend._LOWERED
