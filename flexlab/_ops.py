@@ -12,6 +12,7 @@ kernel's algorithm), so the ops, their autograd formula and their tracing are te
 """
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict
 from typing import Callable, Optional
@@ -75,23 +76,43 @@ def _rebinding_state(fn) -> tuple:
 
 _ENTRIES: dict[str, ModEntry] = {}
 _KEYS: dict[tuple, str] = {}
+_PINNED: set[str] = set()  # keys a torch.compile graph holds as constants: never dropped
+_NEXT_KEY = itertools.count()
 _LOCK = threading.Lock()
+# Entries registered in eager mode that are kept: a model that defines its mods afresh at every step registers a
+# new pair each time. Dropping the oldest is safe there, because the eager autograd path keeps its entry object for
+# the backward (`autograd.EagerAttention`); keys registered while torch.compile traces are pinned instead.
+EAGER_ENTRIES_KEPT = 256
 
 
 def register_mods(score_mod: Optional[Callable], mask_mod: Optional[Callable]) -> str:
-    """The registry key of this (score_mod, mask_mod) pair; the same function objects always get the same key."""
+    """The registry key of this (score_mod, mask_mod) pair; the same function objects get the same key for as long
+    as the entry is kept (always, once a torch.compile graph holds it)."""
     pair = (score_mod, mask_mod)
     key = _KEYS.get(pair)
+    compiling = torch.compiler.is_compiling()
     if key is None:
         with _LOCK:
             key = _KEYS.get(pair)
             if key is None:
-                key = f"mods{len(_KEYS)}"
+                key = f"mods{next(_NEXT_KEY)}"
                 _ENTRIES[key] = ModEntry(key, score_mod, mask_mod)
                 _KEYS[pair] = key
+                if compiling:
+                    _PINNED.add(key)
+                _drop_oldest_eager_entries()
                 return key
+    if compiling:
+        _PINNED.add(key)
     _ENTRIES[key].refresh()
     return key
+
+
+def _drop_oldest_eager_entries() -> None:
+    eager = [k for k in _ENTRIES if k not in _PINNED]
+    for key in eager[:max(0, len(eager) - EAGER_ENTRIES_KEPT)]:
+        entry = _ENTRIES.pop(key)
+        _KEYS.pop((entry.score_mod, entry.mask_mod), None)
 
 
 def mod_entry(key: str) -> ModEntry:

@@ -376,3 +376,35 @@ def test_torch_compile_fullgraph_through_flex_attention(monkeypatch):
     assert torch.allclose(loss, eager)
     for a, t in zip(got, (q, k, v, bias)):
         assert rel_l2(a.float(), t.grad.float()) < 1e-3
+
+
+def test_mods_made_afresh_every_step_do_not_pile_up(monkeypatch):
+    """A model that defines its score_mod inside forward registers a new pair at every step: the registry keeps the
+    newest eager entries only, a backward still finds the entry of a forward whose key was dropped meanwhile, and a
+    key that a torch.compile graph holds is never dropped."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    monkeypatch.setattr(_ops, "EAGER_ENTRIES_KEPT", 3)
+
+    def causal_step(q, k, v):
+        def shift(score, b, h, q_idx, kv_idx):
+            return score + 0.01 * (q_idx - kv_idx)
+        return differentiable_attention(q, k, v, shift).sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(causal_step, backend=CompileCounterWithBackend("aot_eager"), fullgraph=True)
+    q, k, v = random_qkv(1, 2, 32, 32, 16, torch.float32, requires_grad=True)
+    before = set(_ops._PINNED)
+    expected = compiled(q, k, v)
+    pinned = set(_ops._PINNED) - before
+    assert len(pinned) == 1, "the key the compiled graph holds is pinned"
+
+    losses = []
+    for i in range(8):
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score * (1.0 + 0.01 * i)
+        losses.append(differentiable_attention(q, k, v, score_mod).sum())
+    assert len([key for key in _ops._ENTRIES if key not in _ops._PINNED]) <= 3
+    sum(losses).backward()  # the first steps' entries were dropped from the registry, not from their graphs
+    assert torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0
+    assert pinned <= set(_ops._ENTRIES)
+    assert torch.equal(compiled(q, k, v), expected)
