@@ -2,7 +2,8 @@
 
 `is_supported` answers without importing cutlass or touching the GPU beyond asking its compute capability;
 `flex_attention_forward` lowers the mods with the code generator (cached per mod), then hands everything to
-`flexlab.runtime.launch`.
+`flexlab.runtime.launch`; `bind_forward` binds a validated inference call once (`WarmForward`) for `flexlab.api`'s
+warm path.
 """
 from __future__ import annotations
 

@@ -1,8 +1,10 @@
 """torch tensors in, kernel launched, (out, lse) back, with as little Python per call as possible.
 
-The steady-state path is: check strides, allocate O and LSE, look the compiled kernel up in a dict, call it through
-TVM-FFI (which reads torch's current stream and takes torch tensors directly). Anything slower (compiling, splitting a
-BlockMask) is cached.
+`forward` checks strides, looks the compiled kernel up in a dict, allocates O (and the LSE, unless the caller runs
+the kernel that writes none) and calls it through TVM-FFI, which reads torch's current stream and takes torch tensors
+directly. Anything slower (compiling, splitting a BlockMask) is cached. `bind` goes one step further for
+`flexlab.flex_attention`'s warm path: everything that depends only on a call's signature is worked out once, so a
+repeated call only checks base alignment, allocates and launches (`BoundForward`).
 """
 from __future__ import annotations
 
