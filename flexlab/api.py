@@ -6,6 +6,7 @@ import numbers
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
+from ._bounded import put_bounded
 from .backends import cute  # torch only: cutlass loads when a kernel is first built
 from .errors import BackendUnavailableError, FlexlabTypeError, FlexlabValueError
 from .mods import check_mask_mod, check_score_mod
@@ -85,12 +86,6 @@ def _signature(query, key, value, score_mod, block_mask, scale, enable_gqa, retu
     return (query.shape, key.shape, value.shape, query.stride(), key.stride(), value.stride(), query.dtype,
             key.dtype, value.dtype, query.device, key.device, value.device, id(score_mod), id(block_mask),
             type(scale), enable_gqa, return_lse, backend)
-
-
-def _remember(sig, warm) -> None:
-    if len(_WARM) >= _WARM_ENTRIES:
-        del _WARM[next(iter(_WARM))]
-    _WARM[sig] = warm
 
 
 def _needs_grad(*tensors) -> bool:
@@ -214,7 +209,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
             result = warm(query, key, value, scale) if warm is not None else None
             if result is not None:
                 out, lse = result
-                _remember(sig, warm)
+                put_bounded(_WARM, sig, warm, _WARM_ENTRIES)
             else:  # `_choose_backend` has just lowered the mods (reading their captures) in this call
                 out, lse = cute.flex_attention_forward(query, key, value, score_mod, block_mask, scale, enable_gqa,
                                                        captures_checked=True, with_lse=return_lse)

@@ -12,6 +12,7 @@ import importlib.util
 import torch
 from torch.nn.attention.flex_attention import noop_mask
 
+from .._bounded import put_bounded
 from ..errors import BackendUnavailableError, UnsupportedModError
 
 _DTYPES = frozenset((torch.bfloat16, torch.float16))
@@ -45,7 +46,7 @@ def _readers(fn) -> tuple:
     # A name of the code that is not a global now (an attribute such as `torch.where`'s `where`) cannot be one the
     # mod reads later: it would have failed to trace.
     names = tuple(n for n in code.co_names if n in glb) if code is not None else ()
-    _put_bounded(_READERS, fn, (code, (cells, glb, names)))
+    put_bounded(_READERS, fn, (code, (cells, glb, names)), MOD_CACHE_ENTRIES)
     return cells, glb, names
 
 
@@ -83,6 +84,10 @@ class _Lowered:
                                module.mask_mod if g.has_mask_mod else None, g.source_hash, specs, kinds)
         self._per_device: dict = {}
 
+    def captured_requires_grad(self) -> bool:
+        """Whether a tensor the mods capture requires grad now (read from the user's tensors at every call)."""
+        return any(t.requires_grad for t in self.captured)
+
     def tensors_on(self, device) -> tuple:
         """Captured tensors on the inputs' device (copied once per device, not per call)."""
         hit = self._per_device.get(device)
@@ -98,17 +103,15 @@ _LOWERED: dict = {}
 MOD_CACHE_ENTRIES = 512
 
 
-def _put_bounded(cache: dict, key, value) -> None:
-    cache.pop(key, None)
-    while len(cache) >= MOD_CACHE_ENTRIES:
-        del cache[next(iter(cache))]  # the oldest insertion
-    cache[key] = value
+def _mods_state(score_mod, mask_mod) -> tuple:
+    """What a lowering of this mod pair depends on besides the functions themselves (`_captured_state` of each)."""
+    return _captured_state(score_mod), _captured_state(mask_mod)
 
 
 def _lowered(score_mod, mask_mod) -> _Lowered:
     """Generate once per mod pair; re-trace only when something the mods capture changed (a new scalar value, a
     rebound or in-place-modified captured tensor). The compiled kernel is reused unless the structure changed."""
-    state = (_captured_state(score_mod), _captured_state(mask_mod))
+    state = _mods_state(score_mod, mask_mod)
     key = (score_mod, mask_mod)
     hit = _LOWERED.get(key)
     if hit is None or hit.state != state:
@@ -116,7 +119,7 @@ def _lowered(score_mod, mask_mod) -> _Lowered:
         # fastmath: hardware approximations (tanh.approx, ex2.approx, ...) whose error is far below the bf16/fp16
         # rounding of P, the same trade FA4 makes for its soft-cap.
         hit = _Lowered(generate(score_mod, mask_mod, fastmath=True), state)
-        _put_bounded(_LOWERED, key, hit)
+        put_bounded(_LOWERED, key, hit, MOD_CACHE_ENTRIES)
     return hit
 
 
@@ -183,7 +186,7 @@ def support_and_captured_grad(device, dtype, head_dim: int, v_head_dim: int, sco
                   _mask_reason(block_size, head_dim, low.mods.score_mod is not None, bool(low.aux_tensors)))
         if reason:
             return reason, False
-    return "", low is not None and any(t.requires_grad for t in low.captured)
+    return "", low is not None and low.captured_requires_grad()
 
 
 def is_supported(q, k, v, score_mod, block_mask, scale, enable_gqa) -> tuple[bool, str]:
@@ -208,7 +211,7 @@ def captured_requires_grad(score_mod, mask_mod) -> bool:
     mask_mod = _real_mask(mask_mod)
     if score_mod is None and mask_mod is None:
         return False
-    return any(t.requires_grad for t in _lowered(score_mod, mask_mod).captured)
+    return _lowered(score_mod, mask_mod).captured_requires_grad()
 
 
 _MASK_REASON: dict = {}
@@ -260,8 +263,6 @@ def flex_attention_forward(q, k, v, score_mod, block_mask, scale, enable_gqa, ca
                    with_lse=with_lse)
 
 
-
-
 class WarmForward:
     """A validated inference call, bound (`runtime.launch.BoundForward`): what `flexlab.flex_attention` runs when a
     later call has the same signature. It re-checks only what can change between calls of one signature: whether
@@ -277,9 +278,9 @@ class WarmForward:
             return None
         low = self.lowered
         if low is not None:
-            if (_captured_state(self.score_mod), _captured_state(self.mask_mod)) != low.state:
+            if _mods_state(self.score_mod, self.mask_mod) != low.state:
                 return None
-            if grad and low.captured and any(t.requires_grad for t in low.captured):
+            if grad and low.captured_requires_grad():
                 return None
         return self.bound(q, k, v, scale)
 

@@ -125,20 +125,25 @@ def _plan(q: torch.Tensor, k: torch.Tensor, mods: KernelMods, block_mask, config
     return fn, key, sparse, order
 
 
+def _launch_constants(q: torch.Tensor, k: torch.Tensor, block_mask) -> tuple[float, int, int]:
+    """(default softmax scale, query heads per KV head, (batch, head) pairs per L2 group) of a launch."""
+    B, Hq, _, D = q.shape
+    qpk = Hq // k.shape[1]
+    return D ** -0.5, qpk, heads_per_group(k.shape[2], D, 2, qpk, B * Hq, block_mask is not None)
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: KernelMods = _NO_MODS,
             aux_tensors: tuple = (), aux_scalars: tuple = (), block_mask=None, scale: float | None = None,
             config: FwdConfig | None = None, arch: str = "sm_90a", with_lse: bool = True):
     """Run the Hopper forward kernel: (out, lse); lse is None with `with_lse=False` (a kernel that never writes it).
     q (B, Hq, Sq, D), k/v (B, Hkv, Skv, D) on one CUDA device, bf16/fp16."""
     B, Hq, Sq, D = q.shape
-    _, Hkv, Skv, _ = k.shape
     fn, key, sparse, order = _plan(q, k, mods, block_mask, config, arch, with_lse)
     q, k, v = tma_ready(q), tma_ready(k), tma_ready(v)
     out = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device) if with_lse else None
-    scale = D ** -0.5 if scale is None else float(scale)
-    qpk = Hq // Hkv
-    group = heads_per_group(Skv, D, 2, qpk, B * Hq, block_mask is not None)
+    default_scale, qpk, group = _launch_constants(q, k, block_mask)
+    scale = default_scale if scale is None else float(scale)
     if key.tvm_ffi:
         fn(q, k, v, out, lse, scale, qpk, group, sparse, order, aux_tensors, aux_scalars)
     else:
@@ -184,14 +189,11 @@ def bind(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: KernelMods = _
     if not key.tvm_ffi:
         return None
     B, Hq, Sq, D = q.shape
-    Skv = k.shape[2]
     bound = BoundForward()
     bound.fn, bound.dtype, bound.device = fn, q.dtype, q.device
     bound.out_shape, bound.lse_shape = (B, Hq, Sq, D), (B, Hq, Sq) if with_lse else None
     bound.out_like_q = q.is_contiguous()
-    bound.default_scale = D ** -0.5
-    bound.qpk = Hq // k.shape[1]
-    bound.group = heads_per_group(Skv, D, 2, bound.qpk, B * Hq, block_mask is not None)
+    bound.default_scale, bound.qpk, bound.group = _launch_constants(q, k, block_mask)
     bound.sparse, bound.order = sparse, order
     bound.aux_tensors, bound.aux_scalars = aux_tensors, aux_scalars
     bound.block_mask = block_mask  # its kernel lists stay valid only while it lives
