@@ -7,18 +7,21 @@ built at that size serves both passes for every supported head dim (`shares_bloc
 
 The boolean fields are speed options; each setting is a separate compiled kernel, and
 `tests/kernels/bwd_perf_sweep.py` times and checks every candidate against the default on the H200. The default
-turns on `stats_in_smem`, `dq_warp` (below) and (outside deterministic mode) `kv_tiles_first`. The first and last
-together made the main kernel 1.16-1.66x faster on every swept row (D=64 and 128, dense, causal, sliding window,
-soft-cap; benchmarks/results/bwd_sweep_h200_2026-11-30.json), fastest or within 1.5% of the fastest; `dk_after_dq`
-was never faster than them. `default_bwd_config` picks `tile_m` per call (128 at D=64 where it pays, see `D64_TILE_M`):
+turns on `stats_in_smem`, `dq_warp`, `dk_after_dq` (below) and (outside deterministic mode) `kv_tiles_first`. The
+first and last together made the main kernel 1.16-1.66x faster on every swept row (D=64 and 128, dense, causal,
+sliding window, soft-cap; benchmarks/results/bwd_sweep_h200_2026-11-30.json). `default_bwd_config` picks `tile_m` per
+call (128 at D=64 where it pays, see `D64_TILE_M`):
 
   stats_in_smem   the producer copies each step's LSE2 and D rows (tile_m fp32 each) into shared memory with the Q/dO
                   tiles, instead of every consumer thread loading its tile_m / 4 values of each from global memory
                   after the S^T and dP^T GEMMs (two exposed L2 latencies per step);
   dk_after_dq     the dQ GEMM is issued before the dK GEMM, so the dQ partial goes to shared memory and TMA while dK
-                  is still on the tensor cores, instead of waiting for dV, dK and dQ together (FA3/FA4's order); the
-                  dQ slab is then unswizzled (as in the lean plan), since swizzled addresses live beside dK's
-                  register operand spill at D=128;
+                  is still on the tensor cores, instead of waiting for dV, dK and dQ together (FA3/FA4's order).
+                  On by default since the dQ slab is written in fragment order (`bwd_dq`): main kernel 1.02-1.09x on
+                  all 12 swept rows (D=64 and 128; dense, causal, sliding window, documents, soft-cap) and 1.07x
+                  deterministic at D=128, 1.00x at D=64 (bwd_dk_after_dq_h200_2026-11-30.json). With the row-major
+                  slab it had been slower: that slab was left unswizzled here, as swizzled addresses beside dK's
+                  register operand spilled, and its stores conflicted in shared memory;
   kv_tiles_first  grid x = KV tiles: the CTAs of one (batch, head) run side by side and share Q, dO and the dQ
                   accumulator in L2, instead of one or two KV tiles of every head at a time;
   mask_early      on partial blocks, mask_mod is evaluated into bit masks while the S^T GEMM runs, so the loads of
@@ -67,7 +70,7 @@ class BwdConfig:
     num_stages: int = 2  # depth of the Q/dO ring
     dtype_bytes: int = 2
     stats_in_smem: bool = True
-    dk_after_dq: bool = False
+    dk_after_dq: bool = True
     kv_tiles_first: bool = True
     dq_split_rows: bool = False
     mask_early: bool = False
@@ -77,6 +80,12 @@ class BwdConfig:
     @property
     def num_consumer_wgs(self) -> int:
         return self.tile_n // 64
+
+    @property
+    def dq_layout(self) -> tuple:
+        """How the dQ partials sit in the fp32 accumulator, which the postprocess must know to read them back:
+        (query rows per tile, consumer warpgroups, dQ split by rows rather than columns)."""
+        return (self.tile_m, self.num_consumer_wgs, self.dq_split_rows)
 
     @property
     def num_threads(self) -> int:
@@ -188,7 +197,8 @@ def candidate_bwd_configs(head_dim: int, deterministic: bool = False,
         other_order: replace(base, kv_tiles_first=not base.kv_tiles_first),
         "stats_from_global": replace(base, stats_in_smem=False),
         "neither": replace(base, stats_in_smem=False, kv_tiles_first=False),  # the default before 2026-11-30
-        "dk_after_dq": replace(base, dk_after_dq=True),
+        # dQ before or after dK, whichever the default does not do
+        "dk_before_dq" if base.dk_after_dq else "dk_after_dq": replace(base, dk_after_dq=not base.dk_after_dq),
         "stages3": replace(base, num_stages=3),
         "early_dv": replace(base, early_dv=True),
         # the dQ reduce issued by the consumer warpgroups or by a producer warp, whichever the default does not do
@@ -210,4 +220,8 @@ def candidate_bwd_configs(head_dim: int, deterministic: bool = False,
     else:
         cands["combined"] = replace(base, dk_after_dq=True, num_stages=3)
     assert base.feasibility_error() is None, base.feasibility_error()
-    return {name: cfg for name, cfg in cands.items() if cfg.feasibility_error() is None}
+    unique = {}  # the first name of each distinct configuration (`combined` can equal the default or `stages3`)
+    for name, cfg in cands.items():
+        if cfg.feasibility_error() is None and cfg not in unique.values():
+            unique[name] = cfg
+    return unique

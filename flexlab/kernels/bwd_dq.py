@@ -9,13 +9,22 @@ Who issues the reduce: with `BwdConfig.dq_warp` (the default, 1.01-1.29x faster 
 producer warpgroup that walks the same schedule (`write_dq`): a consumer warpgroup only writes its slab and arrives on
 DQ_FULL, and waits on DQ_EMPTY before writing the next one. Without it, the first warp of each consumer warpgroup.
 
+The partial travels in fragment order (`fragment_order`): element i of consumer thread t's accumulator sits at
+(i // 4) * 512 + 4 t + i % 4 of its warpgroup's slab, in shared memory and in `dQaccum` alike, and the postprocess
+puts the elements back in place. Each thread then writes its partial with 16-byte stores from one base address, each
+warp's store filling 512 contiguous bytes. A row-major slab cost a 2-way bank conflict on every store even when
+128-byte swizzled: the accumulator's 8-byte pieces of one half-warp fall on 4 rows, and the 16-byte swizzle maps
+rows 2r and 2r + 1 onto the same 32 banks (Nsight: 256 excess shared wavefronts per step, 9% of the kernel's).
+
 Methods of `FlexBwdSm90` (a mixin): they read the kernel's static configuration from `self`.
 """
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import OperandMajorMode
 
 from .block_sparse import KvSchedule
 from .layout import tma_tiles
@@ -23,6 +32,40 @@ from .named_barrier import BwdBarrier
 
 # consumer warpgroup (128 threads) + the dQ warp
 DQ_HANDOFF_THREADS = 128 + 32
+# A slab leaves shared memory as one (elements / 256, 256) fp32 TMA box: a box spans at most 256 elements a side.
+SLAB_LINE = 256
+
+
+def make_dq_tiled_mma(dtype, head_dim: int, num_wg: int, split_rows: bool):
+    """dQ = dS K over the consumer warpgroups: each forms 64 query rows over every column (`split_rows`) or every
+    row over head_dim / num_wg columns. The postprocess builds the same one to find where each element belongs."""
+    return sm90_utils.make_trivial_tiled_mma(
+        dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+        atom_layout_mnk=(num_wg, 1, 1) if split_rows else (1, num_wg, 1),
+        tiler_mn=(64, head_dim if split_rows else head_dim // num_wg))
+
+
+def dq_slab_layout(slab_elems: int, num_wg: int):
+    """Shared memory of the consumers' dQ partials: one (slab_elems / 256, 256) row-major slab per warpgroup."""
+    return cute.make_layout((slab_elems // SLAB_LINE, SLAB_LINE, num_wg), stride=(SLAB_LINE, 1, slab_elems))
+
+
+def dq_accum_lines(mdQaccum: cute.Tensor, head_dim: int):
+    """(lines, 256, H, B) view of the (B, H, Sq_pad, head_dim) fp32 accumulator, whose (batch, head) block is a
+    sequence of slabs: the TMA reduce's destination. Sq_pad is a multiple of 64, so the lines are whole."""
+    B, H, S = mdQaccum.shape[0], mdQaccum.shape[1], mdQaccum.shape[2]
+    return cute.make_tensor(mdQaccum.iterator, cute.make_layout(
+        (S * head_dim // SLAB_LINE, SLAB_LINE, H, B),
+        stride=(SLAB_LINE, 1, mdQaccum.stride[1], mdQaccum.stride[0])))
+
+
+def fragment_order(slab: cute.Tensor, thread: Int32, frag_shape) -> cute.Tensor:
+    """Thread `thread` (0-127 in its warpgroup)'s view of a slab (shared or global memory) shaped like its dQ
+    accumulator fragment: element i (numbered column-major, as in a compact fragment) at (i // 4) * 512 +
+    4 thread + i % 4, so that four consecutive elements make one 16-byte access."""
+    n = cute.size(frag_shape)
+    threads = cute.make_tensor(slab.iterator, cute.make_layout((4, n // 4, 128), stride=(1, 512, 4)))
+    return cute.composition(threads[None, None, thread], cute.make_layout(frag_shape))
 
 
 def dq_issuer():
@@ -81,10 +124,14 @@ class BwdDqReduce:
                 cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
 
     def dq_tile_index(self, m_block: Int32, wg: Int32):
-        """Which of the (dq_rows, dq_cols) global boxes `tdQg` was cut into this warpgroup reduces into."""
-        if cutlass.const_expr(self.dq_split_rows):
-            return m_block * self.num_wg + wg  # boxes of 64 rows x head_dim: warpgroup wg has rows 64 wg .. 64 wg + 63
-        return m_block  # boxes of tile_m rows x (head_dim / warpgroups); the column block was chosen per warpgroup
+        """Which of the slabs `tdQg` was cut into this warpgroup reduces into: Q tile m_block's slabs follow each
+        other, one per warpgroup, in its (tile_m, head_dim) block of `dQaccum`."""
+        return m_block * self.num_wg + wg
+
+    def dq_slabs(self, mdQ: cute.Tensor, head: Int32, batch: Int32):
+        """This (batch, head)'s block of `dQaccum` (`dq_accum_lines`) cut into slabs: (lines, 256, slab)."""
+        lines = self.dq_rows * self.dq_cols // SLAB_LINE
+        return cute.local_tile(mdQ[None, None, head, batch], (lines, SLAB_LINE), (None, 0))
 
     @cute.jit
     def wait_dq_slab_free(self):
@@ -100,18 +147,15 @@ class BwdDqReduce:
         """The dQ warp (`BwdConfig.dq_warp`): for every step of the consumers' walk and every consumer warpgroup,
         wait for its partial (DQ_FULL), reduce it into global memory with TMA (in deterministic mode in its fixed
         turn), and hand the slab back once the copy has read it (DQ_EMPTY). The slabs start free."""
-        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)  # (dq_rows, dq_cols, wg)
+        sdQ = storage.sdQ.get_tensor(sdQ_layout)  # (lines, 256, warpgroup)
         for w in cutlass.range_constexpr(self.num_wg):
             cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY_WG1) + w, number_of_threads=DQ_HANDOFF_THREADS)
         for g in cutlass.range(qhead_per_kvhead, unroll=1):
             head = head_kv * qhead_per_kvhead + g
             sched = KvSchedule(sparse, batch, head, n_block, num_m_blocks)
             order = (mdQsem, mRank, sched.b, sched.h, n_block)
-            slabs = []  # per warpgroup: (its slab, this head's dQ tiles in that warpgroup's column block)
-            for w in cutlass.range_constexpr(self.num_wg):
-                col_block = 0 if cutlass.const_expr(self.dq_split_rows) else w
-                gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.dq_rows, self.dq_cols), (None, col_block))
-                slabs.append(tma_tiles(tma_dq, sdQ[None, None, w], gdQ))
+            gdQ = self.dq_slabs(mdQ, head, batch)
+            slabs = [tma_tiles(tma_dq, sdQ[None, None, w], gdQ) for w in range(self.num_wg)]  # per warpgroup
             for i in cutlass.range(sched.total, unroll=1):
                 m_block = sched.block(i)
                 for w in cutlass.range_constexpr(self.num_wg):

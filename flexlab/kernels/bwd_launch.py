@@ -83,11 +83,15 @@ class BwdPreKey(_BwdStamp):
 
 @dataclass(frozen=True)
 class BwdPostKey(_BwdStamp):
-    """The postprocess kernel (dQ = scale * fp32 sum, in the input dtype)."""
+    """The postprocess kernel (dQ = scale * fp32 sum, in the input dtype), for one dQ layout of the main kernel."""
 
     dtype: str
     head_dim: int
     arch: str = "sm_90a"
+    dq_layout: tuple = ()  # `BwdConfig.dq_layout`; () = that of the default configuration at this head dim
+
+    def __post_init__(self):  # one key per kernel: () is stored as the layout it stands for
+        object.__setattr__(self, "dq_layout", tuple(self.dq_layout) or default_bwd_config(self.head_dim).dq_layout)
 
 
 _CACHE = KernelCache()
@@ -116,8 +120,9 @@ def preprocess_kernel(dtype: str, head_dim: int, has_dlse: bool, arch: str = "sm
                      lambda: compile_preprocess(dtype, head_dim, has_dlse, arch))
 
 
-def postprocess_kernel(dtype: str, head_dim: int, arch: str = "sm_90a"):
-    return _compiled(BwdPostKey(dtype, head_dim, arch), lambda: compile_postprocess(dtype, head_dim, arch))
+def postprocess_kernel(dtype: str, head_dim: int, arch: str = "sm_90a", dq_layout: tuple = ()):
+    key = BwdPostKey(dtype, head_dim, arch, tuple(dq_layout))
+    return _compiled(key, lambda: compile_postprocess(dtype, head_dim, arch, dq_layout=key.dq_layout))
 
 
 def main_kernel(key: BwdKey, generated=None):
@@ -149,12 +154,14 @@ def compile_preprocess(dtype: str, head_dim: int, has_dlse: bool, arch: str = "s
                         options=_options(arch, options))
 
 
-def compile_postprocess(dtype: str, head_dim: int, arch: str = "sm_90a", options: str = ""):
+def compile_postprocess(dtype: str, head_dim: int, arch: str = "sm_90a", options: str = "", dq_layout: tuple = ()):
     from ..runtime.compile import dsl_compile
     from .bwd_postprocess import BwdPostprocess, fake_arguments
     require_tvm_ffi()
     dt = _cutlass_dtype(dtype)
-    return dsl_compile(BwdPostprocess(dt, head_dim), *fake_arguments(dt, head_dim), options=_options(arch, options))
+    layout = tuple(dq_layout) or default_bwd_config(head_dim).dq_layout
+    return dsl_compile(BwdPostprocess(dt, head_dim, layout), *fake_arguments(dt, head_dim),
+                       options=_options(arch, options))
 
 
 def compile_main(key: BwdKey, module=None, options: str = ""):
@@ -295,8 +302,8 @@ def _kernels(g, grad_slots, kernel_aux, dtype: torch.dtype, cfg: BwdConfig, spar
                  tuple(kernel_aux[i].dim() for i in grad_slots), name, cfg, sparse, deterministic, arch,
                  fixed_point, g.source_hash if g is not None else "",
                  bool(g is not None and g.score_grad_is_identity))
-    hit = Kernels(preprocess_kernel(name, D, has_dlse, arch), main_kernel(key, g), postprocess_kernel(name, D, arch),
-                  torch.int64 if fixed_point else torch.float32)
+    hit = Kernels(preprocess_kernel(name, D, has_dlse, arch), main_kernel(key, g),
+                  postprocess_kernel(name, D, arch, cfg.dq_layout), torch.int64 if fixed_point else torch.float32)
     _KERNELS[fast] = hit
     return hit
 

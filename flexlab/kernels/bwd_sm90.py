@@ -13,8 +13,8 @@ stored once, without atomics, and are the same bits on every run.
   * the code generator's `score_mod_bwd` turns dS into the gradient of the raw score, and `score_mod_aux_grad` adds
     the gradients of captured tensors (learnable biases) with fp32 atomics, both inlined per element;
   * dS is written to shared memory (double-buffered), both warpgroups compute half of dQ = dS K each and write it
-    to a shared-memory slab, which the dQ warp adds into the fp32 dQ buffer with one TMA reduce-add per warpgroup
-    (`bwd_postprocess` scales it);
+    to a shared-memory slab in their accumulators' register order, which the dQ warp adds into the fp32 dQ buffer
+    with one TMA reduce-add per warpgroup (`bwd_postprocess` puts the elements in place and scales them);
   * epilogue: dK (times the softmax scale) and dV go to shared memory over K and V and out with TMA stores.
 
 The kernel's pieces live in one module each: `bwd_producer` (the TMA producer warp), `bwd_step` (the per-step math of
@@ -49,7 +49,8 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .block_sparse import KvSchedule
 from .bwd_config import BwdConfig
-from .bwd_dq import DQ_HANDOFF_THREADS, BwdDqReduce, dq_issuer
+from .bwd_dq import (DQ_HANDOFF_THREADS, SLAB_LINE, BwdDqReduce, dq_accum_lines, dq_issuer, dq_slab_layout,
+                     fragment_order, make_dq_tiled_mma)
 from .bwd_producer import BwdProducer
 from .bwd_step import BwdStep, StepOperands, opaque_i32
 from .layout import bshd_view, convert_to_16bit, tma_tiles, transpose_smem
@@ -132,18 +133,16 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         (B, Hq, Sq_pad, D) fp32 with Sq_pad a multiple of tile_m; `sparse` = Q-direction block lists or None.
         Deterministic mode: mdQsem (B, Hq, Sq_pad / tile_m, consumer warpgroups) int32 zeros, and with a block mask
         mRank (Bm, Hm, KV tiles, Q tiles) int32: how many lower KV tiles visit that Q tile."""
-        mQ, mK, mV, mdO, mdK, mdV, mdQaccum = [bshd_view(t) for t in (mQ, mK, mV, mdO, mdK, mdV, mdQaccum)]
+        mQ, mK, mV, mdO, mdK, mdV = [bshd_view(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]
         tile_m, tile_n, hd = self.tile_m, self.tile_n, self.head_dim
+        mdQlines = dq_accum_lines(mdQaccum, hd)
         tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(  # S^T = K Q^T and dP^T = V dO^T
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
             atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, tile_m))
         tiled_mma_dkv = sm90_utils.make_trivial_tiled_mma(  # dV += P^T dO, dK += dS^T Q (A from registers)
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
             atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, hd), a_source=warpgroup.OperandSource.RMEM)
-        tiled_mma_dq = sm90_utils.make_trivial_tiled_mma(  # dQ = dS K, head dim (or query rows) split over the WGs
-            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-            atom_layout_mnk=(self.num_wg, 1, 1) if self.dq_split_rows else (1, self.num_wg, 1),
-            tiler_mn=(64, self.dq_cols))
+        tiled_mma_dq = make_dq_tiled_mma(self.dtype, hd, self.num_wg, self.dq_split_rows)
 
         atom_d = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, hd), self.dtype)
@@ -152,14 +151,9 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         sKV_layout = cute.tile_to_shape(atom_d, (tile_n, hd), order=(0, 1))
         sQ_layout = cute.tile_to_shape(atom_d, (tile_m, hd, self.num_stages), order=(0, 1, 2))
         sdS_layout = cute.tile_to_shape(atom_ds, (tile_m, tile_n, 2), order=(0, 1, 2))
-        # fp32 dQ partials, one (dq_rows, dq_cols) slab per warpgroup, 128-byte swizzled so that the accumulator's
-        # row-strided stores do not all land in the same banks (TMA undoes the swizzle on the way out). The lean
-        # plan keeps it unswizzled: the swizzled addresses cost registers it does not have.
-        dq_kind = sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, Float32, self.dq_cols)
-        if cutlass.const_expr(self.lean or self.dk_after_dq):
-            dq_kind = warpgroup.SmemLayoutAtomKind.K_INTER
-        atom_dq = warpgroup.make_smem_layout_atom(dq_kind, Float32)
-        sdQ_layout = cute.tile_to_shape(atom_dq, (self.dq_rows, self.dq_cols, self.num_wg), order=(0, 1, 2))
+        # fp32 dQ partials, one slab of dq_rows * dq_cols elements per warpgroup, in fragment order (`bwd_dq`)
+        slab_elems = self.dq_rows * self.dq_cols
+        sdQ_layout = dq_slab_layout(slab_elems, self.num_wg)
 
         load_op, store_op = cpasync.CopyBulkTensorTileG2SOp(), cpasync.CopyBulkTensorTileS2GOp()
         one_stage = cute.select(sQ_layout, mode=[0, 1])
@@ -169,9 +163,9 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         tma_v, mV_t = cpasync.make_tiled_tma_atom(load_op, mV, sKV_layout, (tile_n, hd))
         tma_dk, mdK_t = cpasync.make_tiled_tma_atom(store_op, mdK, sKV_layout, (tile_n, hd))
         tma_dv, mdV_t = cpasync.make_tiled_tma_atom(store_op, mdV, sKV_layout, (tile_n, hd))
-        tma_dq, mdQ_t = cpasync.make_tiled_tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(), mdQaccum,
+        tma_dq, mdQ_t = cpasync.make_tiled_tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(), mdQlines,
                                                     cute.select(sdQ_layout, mode=[0, 1]),
-                                                    (self.dq_rows, self.dq_cols))
+                                                    (slab_elems // SLAB_LINE, SLAB_LINE))
         if cutlass.const_expr(self.stats_in_smem):
             # The producer's bulk copies of LSE2/D rows need 16-byte aligned sources. Row offsets are multiples of
             # tile_m * 4 bytes (the launcher pads rows to whole tiles) and torch allocations are 256-byte aligned.
@@ -201,7 +195,7 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
                log2_scale: Float32, qhead_per_kvhead: Int32, sparse, aux_tensors, aux_scalars, aux_grads, mdQsem,
                mRank,
                sKV_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
-               sdQ_layout: cute.ComposedLayout, tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma,
+               sdQ_layout: cute.Layout, tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma,
                tiled_mma_dq: cute.TiledMma, Storage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
@@ -287,24 +281,20 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         st_ds = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
         thr_st_ds = cute.make_tiled_copy_C(st_ds, tiled_mma_sdp).get_slice(tidx)
         tdSsdS = thr_st_ds.partition_D(transpose_smem(sdS))
-        thr_dq = tiled_mma_dq.get_slice(tidx)
-        sdQ = storage.sdQ.get_tensor(sdQ_layout.outer, swizzle=sdQ_layout.inner)  # (dq_rows, dq_cols, wg)
-        if cutlass.const_expr(self.dq_split_rows):  # viewed as the (tile_m, head_dim) C tile: row = r + 64 wg
-            tdQsdQ = thr_dq.partition_C(cute.composition(sdQ, cute.make_layout(
-                ((self.dq_rows, self.num_wg), self.head_dim), stride=((1, self.dq_rows * self.head_dim),
-                                                                      self.dq_rows))))
-        else:  # viewed as the (tile_m, head_dim) C tile: column = c + dq_cols wg
-            tdQsdQ = thr_dq.partition_C(cute.group_modes(sdQ, 1, 3))
+        sdQ = storage.sdQ.get_tensor(sdQ_layout)
         sdQ_mine = sdQ[None, None, wg]
-        dq_col_block = wg  # the column block of the global dQ tile this warpgroup reduces into
-        if cutlass.const_expr(self.dq_split_rows):
-            dq_col_block = 0  # (every column; the row block is chosen per step, `dq_tile_index`)
+
+        def dq_store_view():
+            """This thread's place in its slab, rebuilt at each step from the thread index (3 integer instructions)
+            rather than kept live through the loop, where the register cost spilled in masked kernels at D=128."""
+            t = opaque_i32(cute.arch.thread_idx()[0]) - 128
+            return fragment_order(sdQ[None, None, t // 128], t % 128, dq_shape)
         sLSE2 = sDpsum = None
         if cutlass.const_expr(stats is not None):
             sLSE2, sDpsum = stats[2], stats[3]
         ops = StepOperands(tSrK=tSrK, tSrQ=tSrQ, tPrV=tPrV, tPrdO=tPrdO, tVrdOt=tVrdOt, tKrQt=tKrQt, tVrP=tVrP,
                            tQrdS=tQrdS, tQrKt=tQrKt, s_shape=s_shape, dq_shape=dq_shape, coords=coords, st_ds=st_ds,
-                           thr_st_ds=thr_st_ds, tdSsdS=tdSsdS, tdQsdQ=tdQsdQ, sLSE2=sLSE2, sDpsum=sDpsum)
+                           thr_st_ds=thr_st_ds, tdSsdS=tdSsdS, dq_store_view=dq_store_view, sLSE2=sLSE2, sDpsum=sDpsum)
         tight = self.stats_in_smem and (sparse is not None or self.tile_m > 64)
         if cutlass.const_expr(self.rebuild_ds_store or tight):
             ops.tdSsdS = None
@@ -321,8 +311,7 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         for g in cutlass.range(qhead_per_kvhead, unroll=1):
             head = head_kv * qhead_per_kvhead + g
             sched = KvSchedule(sparse, batch, head, n_block, num_m_blocks)
-            gdQ = cute.local_tile(mdQ[None, None, head, batch], (self.dq_rows, self.dq_cols), (None, dq_col_block))
-            tdQs, tdQg = tma_tiles(tma_dq, sdQ_mine, gdQ)
+            tdQs, tdQg = tma_tiles(tma_dq, sdQ_mine, self.dq_slabs(mdQ, head, batch))
             order = (mdQsem, mRank, sched.b, sched.h, n_block)
             mods = (batch, head, seqlen_q - 1, seqlen_k - 1, softmax_scale, aux_tensors, aux_scalars, aux_grads, order)
             for i in cutlass.range(sched.total, unroll=1):

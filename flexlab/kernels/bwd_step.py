@@ -35,10 +35,10 @@ def opaque_i32(x: Int32, *, loc=None, ip=None) -> Int32:
 class StepOperands(SimpleNamespace):
     """The per-thread views one step works on, built once per CTA by `consume` and only read inside the loop:
     smem-descriptor fragments (tSrK, tSrQ, tPrV, tPrdO, tVrdOt, tKrQt, tQrdS, tQrKt), the register A fragment of P
-    (tVrP), the dS store (st_ds, thr_st_ds, and tdSsdS, or None and a `ds_store_view()` that rebuilds it), the dQ
-    slab view (tdQsdQ), the accumulator shapes (s_shape, dq_shape), the (q, kv) coordinates of the transposed score
-    accumulator (coords) and, with stats_in_smem, the per-stage LSE2/D rows in shared memory (sLSE2, sDpsum; None
-    otherwise)."""
+    (tVrP), the dS store (st_ds, thr_st_ds, and tdSsdS, or None and a `ds_store_view()` that rebuilds it), the
+    builder of the dQ slab view (dq_store_view), the accumulator shapes (s_shape, dq_shape), the (q, kv) coordinates
+    of the transposed score accumulator (coords) and, with stats_in_smem, the per-stage LSE2/D rows in shared memory
+    (sLSE2, sDpsum; None otherwise)."""
 
 
 class BwdStep:
@@ -152,13 +152,13 @@ class BwdStep:
             # partial goes to shared memory and TMA. The stage (Q is dK's B operand) is released once dK is done.
             wgmma(tiled_mma_dq, acc_dQ, ops.tQrdS[None, None, None, ds_stage], ops.tQrKt, True, -1)
             wgmma(tiled_mma_dkv, acc_dK, as_operand_a(rdS), ops.tKrQt[None, None, None, stage], False, 1)
-            self.reduce_dq(acc_dQ, ops.tdQsdQ, tdQs, tdQg, tma_dq, m_block, order, batch, head, wg)
+            self.reduce_dq(acc_dQ, ops.dq_store_view(), tdQs, tdQg, tma_dq, m_block, order, batch, head, wg)
             warpgroup.wait_group(0)
             pipe_qdo.consumer_release(state)
         else:
             wgmma(tiled_mma_dq, acc_dQ, ops.tQrdS[None, None, None, ds_stage], ops.tQrKt, True, 0)
             pipe_qdo.consumer_release(state)
-            self.reduce_dq(acc_dQ, ops.tdQsdQ, tdQs, tdQg, tma_dq, m_block, order, batch, head, wg)
+            self.reduce_dq(acc_dQ, ops.dq_store_view(), tdQs, tdQg, tma_dq, m_block, order, batch, head, wg)
 
     def row_stat(self, mRows, sRows, batch: Int32, head: Int32, q_start: Int32, q: Int32, stage: Int32) -> Float32:
         """LSE2 or D of query row q of this tile: from this stage's shared-memory copy (stats_in_smem) or from the

@@ -77,7 +77,7 @@ DOCUMENT_LEN = 2000  # packed documents of 2000 tokens: boundaries inside tiles,
 DETERMINISTIC_ROWS = ("d128-dense-B4-S4k", "d128-causal-B4-S4k", "d64-causal-B1-S16k", "d128-sliding1024-B4-S4k")
 # of candidate_bwd_configs(D, True), where that head dim has them
 DETERMINISTIC_VARIANTS = ("default", "kv_tiles_first", "stats_from_global", "tile_m64", "dq_cols", "dq_warp",
-                          "dq_in_consumers")
+                          "dq_in_consumers", "dk_after_dq", "dk_before_dq")
 
 
 def _candidates(D: int, deterministic: bool, kind: str):

@@ -287,11 +287,12 @@ def test_additive_bias_keeps_the_full_register_plan():
     """A score_mod whose derivative is 1 (ALiBi) needs neither score_mod_bwd nor the pre-mod scores, so the D=128
     kernel keeps the full plan (dP^T on the tensor cores while P is formed: one `wgmma.wait_group 1`) instead of the
     lean one. Measured on the H200 at fwd+bwd ALiBi-causal B4·S4k: 2.22 ms against 2.78 ms with the lean plan.
-    With the causal mask_mod it spills 28 bytes, still the faster of the two; the guard keeps that from growing."""
+    With the causal mask_mod it spills 32 / 36 bytes (stores / loads), still the faster of the two; the guard keeps
+    that from growing."""
     import dataclasses
 
     from flexlab.kernels.bwd_launch import compile_main
-    for with_mask, spill_limit in ((False, 0), (True, 32)):
+    for with_mask, spill_limit in ((False, 0), (True, 36)):
         g = _alibi_mods(with_mask)
         assert g.score_grad_is_identity and g.has_score_mod
         key = dataclasses.replace(_main_key(128, with_mask, g), score_grad_identity=True)
@@ -357,14 +358,15 @@ def test_d64_heavy_masks_keep_64_row_steps_without_spills():
     _no_spills(report)
 
 
-# Backward spill bytes (stores, loads) of the gallery kernels that spill, with the launcher's configuration, trainable
-# tensors requiring grad and a block mask at 128 (benchmarks/results/gallery_backward_spills_2026-11-30b.json, the
-# dQ warp on): a ceiling, so a change that makes them worse fails here; lowering them is open work.
+# Backward spill bytes (stores, loads) of the gallery kernels that spill or once did, with the launcher's
+# configuration, trainable tensors requiring grad and a block mask at 128 (benchmarks/results/
+# gallery_backward_spills_2026-11-30c.json: dQ slab in fragment order, dk_after_dq): a ceiling, so a change that makes
+# them worse fails here; lowering them is open work.
 GALLERY_BWD_SPILL_CEILINGS = {
-    ("attention_sinks", 64): (68, 72), ("bigbird", 64): (8, 8), ("bigbird", 128): (8, 8),
-    ("block_diffusion", 128): (44, 44), ("flamingo_cross", 64): (48, 48), ("natten_2d", 128): (104, 104),
-    ("natten_2d_dilated", 128): (228, 232), ("prefix_lm", 64): (8, 8), ("shared_prefix", 64): (36, 36),
-    ("shared_prefix", 128): (4, 4), ("tree_attention", 64): (20, 20), ("tree_attention", 128): (8, 8)}
+    ("attention_sinks", 64): (0, 0), ("bigbird", 64): (4, 8), ("bigbird", 128): (12, 12),
+    ("block_diffusion", 128): (52, 56), ("flamingo_cross", 64): (0, 0), ("natten_2d", 128): (0, 0),
+    ("natten_2d_dilated", 128): (244, 252), ("prefix_lm", 64): (0, 0), ("shared_prefix", 64): (12, 16),
+    ("shared_prefix", 128): (0, 0), ("tree_attention", 64): (16, 24), ("tree_attention", 128): (0, 0)}
 
 
 @pytest.mark.parametrize("name,D", list(GALLERY_BWD_SPILL_CEILINGS))
