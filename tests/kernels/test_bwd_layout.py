@@ -3,6 +3,10 @@
 The consumers compute S^T = K Q^T, so accumulator rows are keys and columns are queries; the mask, score_mod and
 LSE/D lookups index by `coords[i] = (q, kv)`. This pins that view against the wgmma accumulator geometry: lane `l` of
 warp `w` in warpgroup `g` holds key rows 64g + 16w + l//4 (+8) and query columns 2(l%4) (+1, +8j).
+
+Also the dQ partial's fragment order: where the main kernel puts each element in dQaccum and where the postprocess
+finds it must agree, for every dQ split the launcher runs. The tensors that reach the kernels through TVM-FFI are
+checked against their compiled layouts too.
 """
 from __future__ import annotations
 
@@ -83,3 +87,50 @@ def test_captured_tensors_reach_the_kernel_in_the_layout_it_was_compiled_for():
     for fake, real in zip(args[11], (torch.zeros(1, 2, 3, dtype=torch.int32), torch.zeros(1, 2, 3, 4, dtype=torch.int32),
                                      torch.zeros(1, 2, 3, dtype=torch.int32), torch.zeros(1, 2, 3, 4, dtype=torch.int32))):
         assert _fits(fake, real), str(fake)
+
+
+def _dq_places(head_dim: int, tile_m: int, split_rows: bool) -> dict:
+    """{(slab, offset in slab): (row, column) of the query tile} for every consumer thread's dQ fragment element, as
+    the main kernel writes it (`bwd_dq.fragment_order`, read through a counting tensor) and the postprocess maps it
+    back (the dQ tiled MMA's partition of the tile's coordinates)."""
+    import cutlass.cute as cute
+
+    from flexlab.kernels.bwd_dq import fragment_order, make_dq_tiled_mma
+    num_wg = 2
+    slab_elems = tile_m * head_dim // num_wg
+    places = {}
+
+    @cute.jit
+    def probe():
+        tiled = make_dq_tiled_mma(cutlass.BFloat16, head_dim, num_wg, split_rows)
+        counting = cute.make_identity_tensor(slab_elems)  # value at offset k is k
+        for t in cutlass.range_constexpr(128 * num_wg):  # unrolled at trace time: every index is a constant
+            thr = tiled.get_slice(t)
+            shape = thr.partition_shape_C((tile_m, head_dim))
+            where = fragment_order(counting, t % 128, shape)
+            coords = thr.partition_C(cute.make_identity_tensor((tile_m, head_dim)))
+            for i in cutlass.range_constexpr(cute.size(shape)):
+                places[(t // 128, where[i])] = tuple(coords[i])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cute.compile(probe, options="--gpu-arch sm_90a")
+    return places
+
+
+@pytest.mark.parametrize("head_dim,tile_m,split_rows", [(128, 64, False), (64, 128, True), (64, 128, False),
+                                                        (64, 64, False)])
+def test_dq_fragment_order_places_every_element_once(head_dim, tile_m, split_rows):
+    """Each element of a query tile's dQ partial has exactly one place in its warpgroup's slab, the slabs are filled
+    without gaps (the TMA reduce copies all of each), and each warpgroup's slab holds its own rows or columns."""
+    places = _dq_places(head_dim, tile_m, split_rows)
+    slab_elems = tile_m * head_dim // 2
+    assert len(places) == tile_m * head_dim  # no two elements share a place
+    assert sorted(set(places.values())) == [(r, c) for r in range(tile_m) for c in range(head_dim)]
+    for w in (0, 1):
+        assert sorted(off for slab, off in places if slab == w) == list(range(slab_elems))
+        mine = [rc for (slab, _), rc in places.items() if slab == w]
+        if split_rows:
+            assert {r // 64 for r, _ in mine} == {w}
+        else:
+            assert {c // (head_dim // 2) for _, c in mine} == {w}
