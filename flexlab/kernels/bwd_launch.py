@@ -308,6 +308,16 @@ def _kernels(g, grad_slots, kernel_aux, dtype: torch.dtype, cfg: BwdConfig, spar
     return hit
 
 
+def backward_kernels(g, grad_slots, dtype: torch.dtype, head_dim: int, q_block: int | None = None,
+                     has_dlse: bool = False, deterministic: bool = False, arch: str = "sm_90a") -> Kernels:
+    """The compiled kernels a backward call with the generated mods `g` (None: none) would run, without running them
+    (precompilation): `grad_slots` the captured tensors that require grad, `q_block` the block mask's Q block size
+    (None without a mask)."""
+    cfg = config_for(head_dim, deterministic, g, bool(grad_slots), q_block)
+    kernel_aux = tuple(g.kernel_aux_tensors()) if g is not None else ()
+    return _kernels(g, grad_slots, kernel_aux, dtype, cfg, q_block is not None, has_dlse, deterministic, arch)
+
+
 def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, block_size, scale: float,
              aux_scalars, deterministic: bool, arch: str = "sm_90a"):
     """(dq, dk, dv, grads of `entry.grad_slots` in fp32). Inputs come from the autograd formula (validated).

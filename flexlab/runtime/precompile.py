@@ -3,9 +3,13 @@
 Compiling is CPU work (tracing, MLIR passes, ptxas) and needs no GPU, so a test or benchmark session that will touch
 every gallery variant can pay for all compiles in parallel up front:
 
-    python -m flexlab.runtime.precompile --dims 64,128 --dtypes bfloat16,float16
+    python -m flexlab.runtime.precompile --dims 64,128 --dtypes bfloat16,float16 --seqlens 1024,4096 --backward
 
-Later calls in any process find the kernels on disk (see `compile.KernelCache`).
+For each (variant, head dim, dtype) it builds the forward kernels the launcher picks for the given key lengths
+(`--seqlens`: at D=128 the K/V stage count and, for short keys, the persistent kernel depend on it), each in its
+LSE-writing (training, `return_lse=True`) and LSE-free (inference) form. With `--backward` it adds the backward's
+three kernels, with the variant's trainable tensors requiring grad. Later calls in any process find the kernels on
+disk (see `disk_cache.KernelCache`).
 """
 from __future__ import annotations
 
@@ -15,34 +19,73 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "bf16": "bfloat16", "fp16": "float16"}
+H200_SMS = 132  # the persistent kernel's grid size without a GPU to ask
+
+
+def _build_mods(name):
+    """(score_mod, mask_mod or None, captured tensors to train) of a gallery variant, or of dense attention."""
+    if name is None:
+        return None, None, []
+    from ..gallery import get_variant
+    v = get_variant(name)
+    m = v.build(1, 4, *next(ql for ql in [(1000, 1000), (1023, 1024), (256, 1000)] if v.accepts_lengths(*ql)))
+    return m.score_mod, m.mask_mod, [m.tensors[t] for t in v.trainable]
+
+
+def forward_keys(score_mod, mask_mod, head_dim: int, dtype, seqlens, num_sms: int) -> tuple:
+    """(the `KernelMods`, the forward `CompileKey`s the launcher would use for them at these key lengths, training and
+    inference forms), for a GPU of `num_sms` SMs; the mask is taken to come as a BlockMask, as callers pass it."""
+    from ..backends.cute import kernel_mods
+    from .launch import compile_key, config_for
+    mods = kernel_mods(score_mod, mask_mod)
+    sparse = mods.mask_mod is not None
+    keys = []
+    for seqlen in seqlens:
+        cfg = config_for(head_dim, sparse, mods, seqlen, num_sms)
+        for writes_lse in (True, False):
+            key = compile_key(mods, dtype, cfg, "sm_90a", sparse, writes_lse)
+            if key not in keys:
+                keys.append(key)
+    return mods, keys
 
 
 def _one(job: tuple) -> tuple[str, float, str]:
     """Compile one (variant, head dim, dtype) in this worker; returns (label, seconds, error or "")."""
-    name, head_dim, dtype_name = job
+    name, head_dim, dtype_name, seqlens, num_sms, backward = job
     import torch
-
-    from ..backends.cute import kernel_mods
-    from ..gallery import get_variant
-    from .compile import KernelMods, forward_kernel
-    from .launch import compile_key, config_for
 
     label = f"{name or 'dense'} D{head_dim} {dtype_name}"
     t0 = time.perf_counter()
     try:
+        from .compile import forward_kernel
         dtype = getattr(torch, dtype_name)
-        if name is None:
-            mods, sparse = KernelMods(), False
-        else:
-            v = get_variant(name)
-            m = v.build(1, 4, *next(ql for ql in [(1000, 1000), (1023, 1024), (256, 1000)] if v.accepts_lengths(*ql)))
-            sparse = m.mask_mod is not None  # callers build a BlockMask whenever there is a mask_mod
-            mods = kernel_mods(m.score_mod, m.mask_mod)
-        key = compile_key(mods, dtype, config_for(head_dim, sparse, mods), "sm_90a", sparse)
-        forward_kernel(key, mods)
-        return label, time.perf_counter() - t0, ""
+        score_mod, mask_mod, trainable = _build_mods(name)
+        mods, keys = forward_keys(score_mod, mask_mod, head_dim, dtype, seqlens, num_sms)
+        for key in keys:
+            forward_kernel(key, mods)
+        label += f" ({len(keys)} forward"
+        if backward:
+            from ..codegen import generate
+            from ..kernels.bwd_launch import backward_kernels
+            for t in trainable:
+                t.requires_grad_(True)
+            mask = mask_mod if mods.mask_mod is not None else None  # torch's noop mask counts as none
+            g = None
+            if score_mod is not None or mask is not None:  # generated as the autograd path does (`_ops.ModEntry`)
+                g = generate(score_mod, mask, fastmath=True)
+            grad_slots = [i for i, rg in enumerate(g.aux_requires_grad) if rg] if g is not None else []
+            backward_kernels(g, grad_slots, dtype, head_dim, 128 if mods.mask_mod is not None else None)
+            label += " + backward"
+        return label + ")", time.perf_counter() - t0, ""
     except Exception as e:  # noqa: BLE001  (reported per job; one bad variant must not stop the others)
         return label, time.perf_counter() - t0, f"{type(e).__name__}: {e}"[:300]
+
+
+def _default_sms() -> int:
+    import torch
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).multi_processor_count
+    return H200_SMS
 
 
 def main(argv=None) -> int:
@@ -50,19 +93,27 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default="all", help="comma-separated gallery names, 'all', or 'none' (dense only)")
     p.add_argument("--dims", default="64,128")
     p.add_argument("--dtypes", default="bfloat16")
+    p.add_argument("--seqlens", default="1024,4096,16384",
+                   help="key lengths the run will see (they choose the D=128 forward's stages and persistence)")
+    p.add_argument("--sms", type=int, default=None,
+                   help=f"SM count of the target GPU (default: this machine's GPU, else {H200_SMS}, an H200's)")
+    p.add_argument("--backward", action="store_true", help="also build the backward kernels")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = p.parse_args(argv)
     from ..gallery import load_gallery
     names = [None] + (sorted(load_gallery()) if args.variants == "all" else
                       [] if args.variants == "none" else args.variants.split(","))
-    jobs = [(n, int(d), _DTYPES[t]) for n in names for d in args.dims.split(",") for t in args.dtypes.split(",")]
+    seqlens = tuple(int(s) for s in args.seqlens.split(","))
+    sms = args.sms if args.sms is not None else _default_sms()
+    jobs = [(n, int(d), _DTYPES[t], seqlens, sms, args.backward)
+            for n in names for d in args.dims.split(",") for t in args.dtypes.split(",")]
     t0, failed = time.perf_counter(), 0
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
         for fut in as_completed([pool.submit(_one, j) for j in jobs]):
             label, sec, err = fut.result()
             failed += bool(err)
-            print(f"{'FAIL' if err else 'ok  '} {label:40s} {sec:6.1f} s {err}", flush=True)
-    print(f"{len(jobs)} kernels, {failed} failed, {time.perf_counter() - t0:.0f} s wall")
+            print(f"{'FAIL' if err else 'ok  '} {label:56s} {sec:6.1f} s {err}", flush=True)
+    print(f"{len(jobs)} jobs, {failed} failed, {time.perf_counter() - t0:.0f} s wall")
     return 1 if failed else 0
 
 

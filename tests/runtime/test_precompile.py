@@ -1,0 +1,77 @@
+"""Precompilation builds what the launcher will ask for (no GPU: compiling needs none).
+
+The forward's choice of kernel depends on the key length (D=128 stage count, the persistent kernel for short keys)
+and on whether the caller wants the LSE; the planned keys are checked against the launcher's own planning, and one
+small run is checked to leave every kernel on disk, forward and backward, so that a later process compiles nothing.
+"""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+cutlass = pytest.importorskip("cutlass")
+
+
+def _launcher_keys(monkeypatch, score_mod, mask_mod, head_dim: int, seqlens, num_sms: int) -> set:
+    """The forward keys `launch._plan` builds for (1, 4, S, head_dim) CPU inputs, kernels not compiled."""
+    import flexlab
+    from flexlab.backends.cute import kernel_mods
+    from flexlab.runtime import launch
+
+    seen = set()
+    monkeypatch.setattr(launch, "_FAST", {})
+    monkeypatch.setattr(launch, "_sm_count", lambda device: num_sms)
+    monkeypatch.setattr(launch, "forward_kernel", lambda key, mods: seen.add(key) or object())
+    mods = kernel_mods(score_mod, mask_mod)
+    for seqlen in seqlens:
+        q = torch.empty(1, 4, seqlen, head_dim, dtype=torch.bfloat16)
+        bm = None
+        if mask_mod is not None:
+            bm = flexlab.create_block_mask(mask_mod, None, None, seqlen, seqlen, device="cpu")
+        for writes_lse in (True, False):
+            launch._plan(q, q, mods, bm, None, "sm_90a", writes_lse)
+    return seen
+
+
+@pytest.mark.parametrize("head_dim,masked", [(128, False), (128, True), (64, False)])
+def test_planned_forward_keys_are_the_launchers(monkeypatch, head_dim, masked):
+    from flexlab.runtime.precompile import forward_keys
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    mask_mod = causal if masked else None
+    seqlens = (1000, 4096, 16384)
+    _, planned = forward_keys(None, mask_mod, head_dim, torch.bfloat16, seqlens, 132)
+    assert set(planned) == _launcher_keys(monkeypatch, None, mask_mod, head_dim, seqlens, 132)
+    assert {k.writes_lse for k in planned} == {True, False}
+    if head_dim == 128 and not masked:  # short keys run the persistent kernel, one CTA per SM
+        assert {k.config.persistent_ctas for k in planned} == {0, 132}
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs the CUDA toolkit's ptxas")
+def test_precompile_leaves_every_kernel_on_disk(tmp_path, monkeypatch):
+    """After `precompile --backward`, the forward keys and the backward's three kernels load from disk."""
+    from flexlab.kernels import bwd_launch
+    from flexlab.runtime import compile as fwd_compile
+    from flexlab.runtime.disk_cache import KernelCache
+    from flexlab.runtime.precompile import forward_keys, main
+
+    monkeypatch.setenv("FLEXLAB_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["--variants", "none", "--dims", "64", "--seqlens", "4096", "--sms", "132", "--backward",
+                 "--jobs", "1"]) == 0
+
+    fwd_cache = KernelCache()
+    mods, keys = forward_keys(None, None, 64, torch.bfloat16, (4096,), 132)
+    assert len(keys) == 2  # with and without the LSE
+    for key in keys:
+        fwd_compile.forward_kernel(key, mods, cache=fwd_cache)
+    assert fwd_cache.stats.compiles == 0 and fwd_cache.stats.disk_hits == 2
+
+    monkeypatch.setattr(bwd_launch, "_CACHE", KernelCache())
+    monkeypatch.setattr(bwd_launch, "_KERNELS", {})
+    bwd_launch.backward_kernels(None, [], torch.bfloat16, 64)
+    stats = bwd_launch.bwd_kernel_cache().stats
+    assert stats.compiles == 0 and stats.disk_hits == 3  # preprocess, main kernel, postprocess
