@@ -91,7 +91,12 @@ class BwdPostKey(_BwdStamp):
     dq_layout: tuple = ()  # `BwdConfig.dq_layout`; () = that of the default configuration at this head dim
 
     def __post_init__(self):  # one key per kernel: () is stored as the layout it stands for
-        object.__setattr__(self, "dq_layout", tuple(self.dq_layout) or default_bwd_config(self.head_dim).dq_layout)
+        object.__setattr__(self, "dq_layout", _dq_layout(self.head_dim, self.dq_layout))
+
+
+def _dq_layout(head_dim: int, dq_layout: tuple) -> tuple:
+    """`dq_layout`, or the default configuration's at this head dim when it is ()."""
+    return tuple(dq_layout) or default_bwd_config(head_dim).dq_layout
 
 
 _CACHE = KernelCache()
@@ -159,8 +164,7 @@ def compile_postprocess(dtype: str, head_dim: int, arch: str = "sm_90a", options
     from .bwd_postprocess import BwdPostprocess, fake_arguments
     require_tvm_ffi()
     dt = _cutlass_dtype(dtype)
-    layout = tuple(dq_layout) or default_bwd_config(head_dim).dq_layout
-    return dsl_compile(BwdPostprocess(dt, head_dim, layout), *fake_arguments(dt, head_dim),
+    return dsl_compile(BwdPostprocess(dt, head_dim, _dq_layout(head_dim, dq_layout)), *fake_arguments(dt, head_dim),
                        options=_options(arch, options))
 
 
