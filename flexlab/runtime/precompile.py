@@ -101,8 +101,8 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = p.parse_args(argv)
     from ..gallery import load_gallery
-    names = [None] + (sorted(load_gallery()) if args.variants == "all" else
-                      [] if args.variants == "none" else args.variants.split(","))
+    names = [None] + (sorted(load_gallery()) if args.variants == "all" else  # dense attention always
+                      [n for n in args.variants.split(",") if n not in ("", "none")])
     seqlens = tuple(int(s) for s in args.seqlens.split(","))
     sms = args.sms if args.sms is not None else _default_sms()
     jobs = [(n, int(d), _DTYPES[t], seqlens, sms, args.backward)
