@@ -187,7 +187,9 @@ def shares_block_mask_with_forward(head_dim: int, block_size: int = 128) -> bool
 def candidate_bwd_configs(head_dim: int, deterministic: bool = False,
                           mod_grads: bool = False) -> dict[str, BwdConfig]:
     """Named configurations the GPU sweep (`tests/kernels/bwd_perf_sweep.py`) compares with the default of that mode:
-    the other CTA order, LSE2/D from global memory, each further option on, then together. Options that do not fit
+    the other CTA order, LSE2/D from global memory, each other option flipped, and at D=64 the other Q step and dQ
+    split. (The former `combined` candidate, dK after dQ with a third stage or 128-row steps, became the default or
+    `stages3` once dK after dQ was the default.) Options that do not fit
     beside that default (a third Q/dO stage with 128-row tiles at D=64 overflows shared memory) are left out; the
     launcher runs `default`."""
     base = default_bwd_config(head_dim, deterministic, mod_grads)
@@ -216,12 +218,5 @@ def candidate_bwd_configs(head_dim: int, deterministic: bool = False,
         else:
             cands["tile_m128"] = replace(base, tile_m=128)
             cands["tile_m128_dq_rows"] = rows128
-        cands["combined"] = replace(rows128, dk_after_dq=True)
-    else:
-        cands["combined"] = replace(base, dk_after_dq=True, num_stages=3)
     assert base.feasibility_error() is None, base.feasibility_error()
-    unique = {}  # the first name of each distinct configuration (`combined` can equal the default or `stages3`)
-    for name, cfg in cands.items():
-        if cfg.feasibility_error() is None and cfg not in unique.values():
-            unique[name] = cfg
-    return unique
+    return {name: cfg for name, cfg in cands.items() if cfg.feasibility_error() is None}

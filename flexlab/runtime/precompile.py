@@ -65,16 +65,14 @@ def _one(job: tuple) -> tuple[str, float, str]:
             forward_kernel(key, mods)
         label += f" ({len(keys)} forward"
         if backward:
-            from ..codegen import generate
+            from .. import _ops
             from ..kernels.bwd_launch import backward_kernels
             for t in trainable:
                 t.requires_grad_(True)
             mask = mask_mod if mods.mask_mod is not None else None  # torch's noop mask counts as none
-            g = None
-            if score_mod is not None or mask is not None:  # generated as the autograd path does (`_ops.ModEntry`)
-                g = generate(score_mod, mask, fastmath=True)
-            grad_slots = [i for i, rg in enumerate(g.aux_requires_grad) if rg] if g is not None else []
-            backward_kernels(g, grad_slots, dtype, head_dim, 128 if mods.mask_mod is not None else None)
+            entry = _ops.mod_entry(_ops.register_mods(score_mod, mask))  # the autograd path's generated mods
+            # (a mask comes as a BlockMask at torch's default block size)
+            backward_kernels(entry.generated, entry.grad_slots, dtype, head_dim, 128 if mask is not None else None)
             label += " + backward"
         return label + ")", time.perf_counter() - t0, ""
     except Exception as e:  # noqa: BLE001  (reported per job; one bad variant must not stop the others)
@@ -84,7 +82,8 @@ def _one(job: tuple) -> tuple[str, float, str]:
 def _default_sms() -> int:
     import torch
     if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).multi_processor_count
+        from .launch import _sm_count
+        return _sm_count(torch.device("cuda", torch.cuda.current_device()))
     return H200_SMS
 
 
