@@ -151,7 +151,8 @@ class GeneratedMods:
         return out
 
     def kernel_aux_tensors(self) -> list[torch.Tensor]:
-        """Captured tensors as the kernel reads them: contiguous, 64-bit narrowed to 32, bool as uint8, 0-d as (1,).
+        """Captured tensors as the kernel reads them: row-major (`runtime.launch.row_major`), 64-bit narrowed to 32,
+        bool as uint8, 0-d as (1,).
 
         Cached until a captured tensor changes in place (its version counter moves): a launch calls this on every
         step, and the int64 range check reads the data back from the GPU, which would stall the host each time.
@@ -160,13 +161,14 @@ class GeneratedMods:
         hit = self._kernel_aux
         if hit is not None and hit[0] == state:
             return list(hit[1])
+        from ..runtime.launch import row_major
         out = []
         for t in self._graph.aux_tensors:
             x = t.tensor.detach()
             if x.dtype == torch.int64 and x.numel() and (x.max() >= 2 ** 31 or x.min() < -(2 ** 31)):
                 raise ValueError(f"captured tensor '{t.name}' holds values outside Int32; the kernel reads int32")
-            x = x.to(_KERNEL_DTYPE.get(x.dtype, x.dtype)).contiguous()
-            out.append(x.reshape(1) if x.dim() == 0 else x)
+            x = x.to(_KERNEL_DTYPE.get(x.dtype, x.dtype))
+            out.append(row_major(x.reshape(1) if x.dim() == 0 else x))
         self._kernel_aux = (state, tuple(out))
         return out
 

@@ -35,11 +35,21 @@ _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _FINGERPRINT_ROOTS = ("bwd_launch", "bwd_sm90", "bwd_preprocess", "bwd_postprocess", "bwd_aux_grad")
 
 
+def fingerprint_extra_files() -> tuple:
+    """Files outside `flexlab.kernels` that decide the backward's machine code: `runtime/compile.py` (the captured
+    tensors' compiled layout, `fake_captured_tensor`)."""
+    from pathlib import Path
+
+    from ..runtime import compile as forward_compile
+    return (Path(forward_compile.__file__).resolve(),)
+
+
 @lru_cache(maxsize=None)
 def bwd_fingerprint() -> str:
-    """sha256 of the backward kernels' source files and every kernel module they import: editing any of them
-    invalidates the backward's disk entries (all three kernels; pre/postprocess are quick to rebuild)."""
-    return source_fingerprint(_FINGERPRINT_ROOTS)
+    """sha256 of the backward kernels' source files, every kernel module they import and `fingerprint_extra_files`:
+    editing any of them invalidates the backward's disk entries (all three kernels; pre/postprocess are quick to
+    rebuild)."""
+    return source_fingerprint(_FINGERPRINT_ROOTS, extra_files=fingerprint_extra_files())
 
 
 @dataclass(frozen=True, kw_only=True)

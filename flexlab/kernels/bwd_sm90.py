@@ -389,13 +389,8 @@ def fake_arguments(cfg: BwdConfig, dtype, block_sparse: bool = False, aux_tensor
                   compact(Int32, (sym(), sym(), sym())), compact(Int32, (sym(), sym(), sym(), sym())))
     rows = compact(Float32, (sym(), sym(), cute.sym_int32(divisibility=cfg.tile_m)))
     accum = compact(Float32, (sym(), sym(), cute.sym_int32(divisibility=cfg.tile_m), hd), align=16)
-    from ..runtime.compile import _cutlass_dtype
-    # Captured tensors arrive row-major with unit stride on the last mode (`GeneratedMods.kernel_aux_tensors` makes
-    # them contiguous), aligned to their element size (a contiguous slice of a larger tensor may start anywhere).
-    aux_tensors = tuple(make_fake_tensor(_cutlass_dtype(name), tuple(sym() for _ in range(ndim)),
-                                         tuple(cute.sym_int64() for _ in range(ndim - 1)) + (1,),
-                                         assumed_align=_cutlass_dtype(name).width // 8)
-                        for name, ndim in aux_tensor_specs)
+    from ..runtime.compile import fake_captured_tensor
+    aux_tensors = tuple(fake_captured_tensor(name, ndim) for name, ndim in aux_tensor_specs)
     aux_scalars = tuple(Int32(0) if kind == "int" else Float32(0.0) for kind in aux_scalar_kinds)
     grad_dtype, grad_align = (Int64, 8) if fixed_point_aux_grads else (Float32, 4)
     aux_grads = tuple(make_fake_compact_tensor(grad_dtype, tuple(sym() for _ in range(rank)),

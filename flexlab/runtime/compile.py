@@ -98,14 +98,31 @@ def fake_arguments(key: CompileKey):
         sparse = (compact(cutlass.Int32, 3), compact(cutlass.Int32, 4), compact(cutlass.Int32, 3),
                   compact(cutlass.Int32, 4))
     order = compact(cutlass.Int32, 1) if key.tile_order else None
-    aux_tensors = tuple(
-        make_fake_tensor(_cutlass_dtype(name), tuple(cute.sym_int32() for _ in range(ndim)),
-                         tuple(cute.sym_int64() for _ in range(ndim)))
-        for name, ndim in key.aux_tensor_specs)
+    aux_tensors = tuple(fake_captured_tensor(name, ndim, unit_stride_any_rank=False)
+                        for name, ndim in key.aux_tensor_specs)
     aux_scalars = tuple(cutlass.Int32(0) if kind == "int" else cutlass.Float32(0.0) for kind in key.aux_scalar_kinds)
     lse = compact(cutlass.Float32, 3) if key.writes_lse else None
     return (qkv(), qkv(), qkv(), qkv(), lse, cutlass.Float32(1.0), cutlass.Int32(1),
             cutlass.Int32(1), sparse, order, aux_tensors, aux_scalars, make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi))
+
+
+def fake_captured_tensor(dtype_name: str, ndim: int, unit_stride_any_rank: bool = True):
+    """A captured tensor as a kernel reads it: row-major with a static unit stride on the last mode (launches pass
+    `GeneratedMods.kernel_aux_tensors`, which are contiguous), aligned to its element size (a contiguous slice of a
+    larger tensor may start anywhere). The static stride makes a gather at a 1-D table (document ids, per-head
+    slopes) a single multiply-add from the base address instead of a 64-bit multiply by a runtime stride: the
+    forward's partial-block step of a document mask drops from 978 to 863 SASS instructions. With
+    `unit_stride_any_rank=False` tensors of rank >= 2 keep every stride dynamic: in the forward their gathers
+    compiled to more register moves with the static stride than without (per-head key bias +30 instructions per
+    step), while the backward was measured with it."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+    dtype = _cutlass_dtype(dtype_name)
+    shape = tuple(cute.sym_int32() for _ in range(ndim))
+    if ndim >= 2 and not unit_stride_any_rank:
+        return make_fake_tensor(dtype, shape, tuple(cute.sym_int64() for _ in range(ndim)))
+    return make_fake_tensor(dtype, shape, tuple(cute.sym_int64() for _ in range(ndim - 1)) + (1,),
+                            assumed_align=dtype.width // 8)
 
 
 def dsl_compile(fn, *args, options: str):

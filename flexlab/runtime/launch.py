@@ -93,9 +93,30 @@ def _compiled(mods: KernelMods, dtype: torch.dtype, cfg: FwdConfig, arch: str, s
     return hit
 
 
-def _to_cute(t):
+def _to_cute(t, align: int | None = None):
     from cutlass.cute.runtime import from_dlpack
-    return from_dlpack(t, assumed_align=16 if t.dim() == 4 else 4).mark_layout_dynamic(leading_dim=t.dim() - 1)
+    align = align or (16 if t.dim() == 4 else 4)
+    return from_dlpack(t, assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+
+def row_major(t: torch.Tensor) -> torch.Tensor:
+    """`t` with exactly row-major strides (unit stride on the last mode), copied only when it has other ones.
+
+    `contiguous()` is not enough: torch ignores the strides of size-1 modes, so an expanded (1,) tensor keeps stride
+    0 and a (5, 1) transpose keeps (1, 5), while a kernel compiled for a static unit stride reads them wrongly."""
+    expected, step = [], 1
+    for size in reversed(t.shape):
+        expected.append(step)
+        step *= max(int(size), 1)
+    if tuple(t.stride()) == tuple(reversed(expected)):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _captured_layout(aux_tensors: tuple) -> tuple:
+    """Captured tensors in the layout the kernel was compiled for (`compile.fake_captured_tensor`). The backend
+    already passes such copies (`GeneratedMods.kernel_aux_tensors`); this keeps direct callers safe."""
+    return tuple(row_major(t) for t in aux_tensors)
 
 
 _NO_MODS = KernelMods()
@@ -140,6 +161,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: KernelMods 
     B, Hq, Sq, D = q.shape
     fn, key, sparse, order = _plan(q, k, mods, block_mask, config, arch, with_lse)
     q, k, v = tma_ready(q), tma_ready(k), tma_ready(v)
+    aux_tensors = _captured_layout(aux_tensors)
     out = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device) if with_lse else None
     default_scale, qpk, group = _launch_constants(q, k, block_mask)
@@ -152,7 +174,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: KernelMods 
         conv_sparse = tuple(_to_cute(t) for t in sparse) if sparse is not None else None
         fn(_to_cute(q), _to_cute(k), _to_cute(v), _to_cute(out), _to_cute(lse) if with_lse else None, scale, qpk,
            group, conv_sparse, _to_cute(order) if order is not None else None,
-           tuple(_to_cute(t) for t in aux_tensors), tuple(aux_scalars), stream)
+           tuple(_to_cute(t, t.element_size()) for t in aux_tensors), tuple(aux_scalars), stream)
     return out, lse
 
 
@@ -195,6 +217,6 @@ def bind(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: KernelMods = _
     bound.out_like_q = q.is_contiguous()
     bound.default_scale, bound.qpk, bound.group = _launch_constants(q, k, block_mask)
     bound.sparse, bound.order = sparse, order
-    bound.aux_tensors, bound.aux_scalars = aux_tensors, aux_scalars
+    bound.aux_tensors, bound.aux_scalars = _captured_layout(aux_tensors), aux_scalars
     bound.block_mask = block_mask  # its kernel lists stay valid only while it lives
     return bound

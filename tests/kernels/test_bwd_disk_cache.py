@@ -288,16 +288,19 @@ def test_the_fingerprint_covers_every_kernel_module_the_backward_imports(tmp_pat
             "score_mod.py", "named_barrier.py", "block_sparse.py"} <= files
     assert "bwd_reference.py" not in files  # the CPU reference is no part of any kernel
 
+    extra = bwd_launch.fingerprint_extra_files()
+    assert "compile.py" in {p.name for p in extra}  # the captured tensors' layout (`fake_captured_tensor`)
+
     copied = _kernel_copy(tmp_path)
-    before = disk_cache.source_fingerprint(bwd_launch._FINGERPRINT_ROOTS, package_dir=copied)
+    before = disk_cache.source_fingerprint(bwd_launch._FINGERPRINT_ROOTS, extra_files=extra, package_dir=copied)
     assert before == bwd_launch.bwd_fingerprint()
     with open(copied / "bwd_reference.py", "a") as f:
         f.write("\n# not a kernel file\n")
-    assert disk_cache.source_fingerprint(bwd_launch._FINGERPRINT_ROOTS, package_dir=copied) == before
+    assert disk_cache.source_fingerprint(bwd_launch._FINGERPRINT_ROOTS, extra_files=extra, package_dir=copied) == before
     for name in sorted(files):
         with open(copied / name, "a") as f:
             f.write("\n# edited\n")
-        after = disk_cache.source_fingerprint(bwd_launch._FINGERPRINT_ROOTS, package_dir=copied)
+        after = disk_cache.source_fingerprint(bwd_launch._FINGERPRINT_ROOTS, extra_files=extra, package_dir=copied)
         assert after != before, name
         before = after
 

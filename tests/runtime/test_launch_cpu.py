@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from flexlab.backends import cute as backend
-from flexlab.runtime.launch import tma_ready
+from flexlab.runtime.launch import row_major, tma_ready
 
 
 def test_tma_ready_copies_only_when_needed():
@@ -28,6 +28,20 @@ def test_tma_ready_copies_a_contiguous_but_misaligned_view():
     odd_batch_stride = torch.randn(3, 40, 64, dtype=torch.bfloat16).as_strided((1, 3, 40, 64), (7, 2560, 64, 1))
     assert odd_batch_stride.is_contiguous()  # torch ignores the stride of a size-1 dim; TMA does not
     assert tma_ready(odd_batch_stride).stride(0) % 8 == 0
+
+
+def test_row_major_fixes_what_contiguous_lets_through():
+    """Captured tensors are compiled with a static unit stride on the last mode; torch calls these contiguous."""
+    table = torch.arange(12, dtype=torch.int32).view(3, 4)
+    assert row_major(table) is table
+    expanded = torch.tensor(5.0).expand(1)
+    column = torch.randn(1, 5).t()
+    for t in (expanded, column):
+        assert t.is_contiguous() and t.stride(-1) != 1
+        fixed = row_major(t)
+        assert fixed.stride(-1) == 1 and torch.equal(fixed, t)
+    assert row_major(column).stride() == (1, 1)
+    assert row_major(table[:, 1:3]).stride() == (2, 1)
 
 
 def test_cpu_tensors_are_not_supported_with_a_reason():
