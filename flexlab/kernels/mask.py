@@ -7,7 +7,20 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Uint32
+from cutlass import Boolean, Float32, Int32, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+
+@dsl_user_op
+def keep_or_neg_inf(keep: Boolean, score: Float32, *, loc=None, ip=None) -> Float32:
+    """`score` where `keep`, else -inf, as one selp the compiler cannot split: given a conjunction, ptxas then folds
+    the conditions into one predicate (ISETP ... AND) and selects once, where LLVM would select once per condition.
+    Used for masks the code generator marks `one_select` (`flexlab.codegen.lower_cute.one_select`)."""
+    return Float32(llvm.inline_asm(
+        T.f32(), [Float32(score).ir_value(loc=loc, ip=ip), Boolean(keep).ir_value(loc=loc, ip=ip)],
+        "selp.f32 $0, $1, 0fFF800000, $2;", "=f,f,b",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
 def element_indices(coords: cute.Tensor, i: int, q_start: Int32, kv_start: Int32, q_last: Int32, kv_last: Int32,
@@ -40,7 +53,10 @@ def apply_mask_mod(acc_s: cute.Tensor, coords: cute.Tensor, mask_mod: cutlass.Co
     for i in cutlass.range_constexpr(cute.size(acc_s)):
         q_idx, kv_idx = element_indices(coords, i, q_start, kv_start, q_last, kv_last, clamp)
         keep = mask_mod(batch, head, q_idx, kv_idx, aux_tensors, aux_scalars)
-        acc_s[i] = acc_s[i] if keep else -Float32.inf
+        if cutlass.const_expr(getattr(mask_mod, "one_select", False)):
+            acc_s[i] = keep_or_neg_inf(keep, acc_s[i])
+        else:
+            acc_s[i] = acc_s[i] if keep else -Float32.inf
 
 
 @cute.jit

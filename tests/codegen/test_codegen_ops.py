@@ -217,3 +217,31 @@ def test_in_place_ops_update_every_alias_like_torch():
     expected = mod(score.clone(), b, h, q, kv)
     torch.testing.assert_close(g.evaluate_score_mod(score, b, h, q, kv), expected)
     assert torch.equal(g.evaluate_mask_mod(b, h, q, kv), q + 1 > kv)
+
+
+def test_small_conjunctions_are_marked_for_one_select():
+    """Kernels apply a mask marked `one_select` with a single select per score (`kernels.mask.keep_or_neg_inf`);
+    only conjunctions of few operations are marked (disjunctions and large masks compiled worse that way)."""
+    from flexlab.codegen.lower_cute import ONE_SELECT_MAX_OPS
+    ids = torch.arange(64) // 16
+
+    def document(b, h, q_idx, kv_idx):
+        return (ids[q_idx] == ids[kv_idx]) & (q_idx >= kv_idx)
+
+    def prefix_or_causal(b, h, q_idx, kv_idx):
+        return (kv_idx < 8) | (q_idx >= kv_idx)
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def big_conjunction(b, h, q_idx, kv_idx):
+        keep = q_idx >= kv_idx
+        for k in range(ONE_SELECT_MAX_OPS):
+            keep = keep & (q_idx - kv_idx != k + 3)
+        return keep
+
+    marked = {fn.__name__: "mask_mod.one_select = True" in generate(None, fn).source
+              for fn in (document, prefix_or_causal, causal, big_conjunction)}
+    assert marked == {"document": True, "prefix_or_causal": False, "causal": False, "big_conjunction": False}
+    module = generate(None, document).module()
+    assert module.mask_mod.one_select is True
