@@ -31,6 +31,20 @@ _MODULES: dict[str, types.ModuleType] = {}
 _KERNEL_DTYPE = {torch.float64: torch.float32, torch.int64: torch.int32, torch.bool: torch.uint8}
 
 
+def row_major(t: torch.Tensor) -> torch.Tensor:
+    """`t` with exactly row-major strides (unit stride on the last mode), copied only when it has other ones.
+
+    `contiguous()` is not enough: torch ignores the strides of size-1 modes, so an expanded (1,) tensor keeps stride
+    0 and a (5, 1) transpose keeps (1, 5), while a kernel compiled for a static unit stride reads them wrongly."""
+    expected, step = [], 1
+    for size in reversed(t.shape):
+        expected.append(step)
+        step *= max(int(size), 1)
+    if tuple(t.stride()) == tuple(reversed(expected)):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 class GeneratedMods:
     """Generated CuTeDSL for one (score_mod, mask_mod) pair plus everything a kernel needs to call it.
 
@@ -105,9 +119,7 @@ class GeneratedMods:
         per-element evaluation keeps live, which the kernels' tile choice reads."""
         if not self.has_mask_mod:
             return 0
-        nodes = self._graph.nodes
-        return sum(1 for i in self._graph.needed([self._traced.mask_root])
-                   if nodes[i].op not in ("input", "const", "scalar"))
+        return self._graph.op_count(self._traced.mask_root)
 
     @property
     def aux_tensors(self) -> list[torch.Tensor]:
@@ -151,7 +163,7 @@ class GeneratedMods:
         return out
 
     def kernel_aux_tensors(self) -> list[torch.Tensor]:
-        """Captured tensors as the kernel reads them: row-major (`runtime.launch.row_major`), 64-bit narrowed to 32,
+        """Captured tensors as the kernel reads them: row-major (`row_major`), 64-bit narrowed to 32,
         bool as uint8, 0-d as (1,).
 
         Cached until a captured tensor changes in place (its version counter moves): a launch calls this on every
@@ -161,7 +173,6 @@ class GeneratedMods:
         hit = self._kernel_aux
         if hit is not None and hit[0] == state:
             return list(hit[1])
-        from ..runtime.launch import row_major
         out = []
         for t in self._graph.aux_tensors:
             x = t.tensor.detach()

@@ -159,6 +159,11 @@ class Graph:
             stack.extend(self.nodes[i].args)
         return sorted(seen)
 
+    def op_count(self, root: int | None) -> int:
+        """Operations (not inputs, constants or scalars) that `root` depends on: a measure of how many registers
+        evaluating it per element keeps live."""
+        return sum(1 for i in self.needed([root]) if self.nodes[i].op not in ("input", "const", "scalar"))
+
     def depends_on(self, i: int, leaf_pred) -> bool:
         return any(leaf_pred(self.nodes[j]) for j in self.needed([i]))
 

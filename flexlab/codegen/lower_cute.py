@@ -315,8 +315,8 @@ def one_select(graph: Graph, mask_root: int | None) -> bool:
     if mask_root is None:
         return False
     root = graph.nodes[mask_root]
-    ops = sum(1 for i in graph.needed([mask_root]) if graph.nodes[i].op not in ("input", "const", "scalar"))
-    return root.kind == BOOL and root.op in ("logical_and", "bitwise_and") and ops <= ONE_SELECT_MAX_OPS
+    return (root.kind == BOOL and root.op in ("logical_and", "bitwise_and")
+            and graph.op_count(mask_root) <= ONE_SELECT_MAX_OPS)
 
 
 _ONE_SELECT_NOTE = """# mask_mod is a small conjunction: kernels apply it with one select per score instead of one per condition

@@ -99,26 +99,6 @@ def _to_cute(t, align: int | None = None):
     return from_dlpack(t, assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
 
 
-def row_major(t: torch.Tensor) -> torch.Tensor:
-    """`t` with exactly row-major strides (unit stride on the last mode), copied only when it has other ones.
-
-    `contiguous()` is not enough: torch ignores the strides of size-1 modes, so an expanded (1,) tensor keeps stride
-    0 and a (5, 1) transpose keeps (1, 5), while a kernel compiled for a static unit stride reads them wrongly."""
-    expected, step = [], 1
-    for size in reversed(t.shape):
-        expected.append(step)
-        step *= max(int(size), 1)
-    if tuple(t.stride()) == tuple(reversed(expected)):
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
-
-
-def _captured_layout(aux_tensors: tuple) -> tuple:
-    """Captured tensors in the layout the kernel was compiled for (`compile.fake_captured_tensor`). The backend
-    already passes such copies (`GeneratedMods.kernel_aux_tensors`); this keeps direct callers safe."""
-    return tuple(row_major(t) for t in aux_tensors)
-
-
 _NO_MODS = KernelMods()
 
 
@@ -157,11 +137,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: KernelMods 
             aux_tensors: tuple = (), aux_scalars: tuple = (), block_mask=None, scale: float | None = None,
             config: FwdConfig | None = None, arch: str = "sm_90a", with_lse: bool = True):
     """Run the Hopper forward kernel: (out, lse); lse is None with `with_lse=False` (a kernel that never writes it).
-    q (B, Hq, Sq, D), k/v (B, Hkv, Skv, D) on one CUDA device, bf16/fp16."""
+    q (B, Hq, Sq, D), k/v (B, Hkv, Skv, D) on one CUDA device, bf16/fp16; `aux_tensors` as
+    `GeneratedMods.kernel_aux_tensors` gives them (row-major: the kernel's call refuses other strides)."""
     B, Hq, Sq, D = q.shape
     fn, key, sparse, order = _plan(q, k, mods, block_mask, config, arch, with_lse)
     q, k, v = tma_ready(q), tma_ready(k), tma_ready(v)
-    aux_tensors = _captured_layout(aux_tensors)
     out = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device) if with_lse else None
     default_scale, qpk, group = _launch_constants(q, k, block_mask)
@@ -217,6 +197,6 @@ def bind(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: KernelMods = _
     bound.out_like_q = q.is_contiguous()
     bound.default_scale, bound.qpk, bound.group = _launch_constants(q, k, block_mask)
     bound.sparse, bound.order = sparse, order
-    bound.aux_tensors, bound.aux_scalars = _captured_layout(aux_tensors), aux_scalars
+    bound.aux_tensors, bound.aux_scalars = aux_tensors, aux_scalars
     bound.block_mask = block_mask  # its kernel lists stay valid only while it lives
     return bound

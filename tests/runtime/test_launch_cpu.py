@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 
 from flexlab.backends import cute as backend
-from flexlab.runtime.launch import row_major, tma_ready
+from flexlab.codegen.generated import row_major
+from flexlab.runtime.launch import tma_ready
 
 
 def test_tma_ready_copies_only_when_needed():
