@@ -5,6 +5,10 @@ With a BlockMask, a Q tile visits its partial blocks (`kv_indices`, mask_mod app
 block from the last to the first. Either way the only block that needs the sequence-tail mask comes first: the host
 lists a ragged last KV block first among the partial ones (`runtime.sparsity.kernel_block_mask`).
 Producer and consumers build the same `KvSchedule`, so they walk the same list without talking to each other.
+
+The first block's index is read together with the two counts, not after them: a tile's first K load waits on that
+index, and reading it only once the counts said which list it is in put two global-memory round trips in front of
+every tile's first TMA load (sliding windows and documents have many short tiles).
 """
 from __future__ import annotations
 
@@ -17,11 +21,14 @@ from .carry import Carried
 
 class KvSchedule(Carried):
     """Trace-time helper; `sparse` is None (dense) or (kv_num, kv_idx, full_num, full_idx) int32 tensors whose batch
-    and head modes may have size 1 (broadcast)."""
+    and head modes may have size 1 (broadcast), and whose last mode is never empty.
+
+    `known` = (num_partial, num_full) when another warp already read them (a dynamic tile scheduler hands them over
+    in shared memory); then nothing is read here."""
 
     _FIELDS = ("sparse", "b", "h", "m", "num_partial", "num_full", "num_kv_blocks")
 
-    def __init__(self, sparse, batch: Int32, head: Int32, m_block: Int32, num_kv_blocks: Int32):
+    def __init__(self, sparse, batch: Int32, head: Int32, m_block: Int32, num_kv_blocks: Int32, known=None):
         self.sparse = sparse
         self.num_kv_blocks = Int32(num_kv_blocks)
         self.m = m_block
@@ -30,12 +37,27 @@ class KvSchedule(Carried):
             # A mask built with B=1 or H=1 broadcasts over that mode.
             self.b = batch % kv_num.shape[0]
             self.h = head % kv_num.shape[1]
-            self.num_partial = Int32(kv_num[self.b, self.h, m_block])
-            self.num_full = Int32(full_num[self.b, self.h, m_block])
+            if cutlass.const_expr(known is not None):
+                self.num_partial, self.num_full = (Int32(x) for x in known)
+            else:
+                self.num_partial = Int32(kv_num[self.b, self.h, m_block])
+                self.num_full = Int32(full_num[self.b, self.h, m_block])
         else:
             self.b, self.h = Int32(0), Int32(0)
             self.num_partial = Int32(0)
             self.num_full = self.num_kv_blocks
+
+    @cute.jit
+    def first_block(self) -> Int32:
+        """`block(0)` without waiting for the counts first: both lists' first entries are read beside them and one
+        is picked after (the producer's first K load waits on this index)."""
+        if cutlass.const_expr(self.sparse is None):
+            return self.num_kv_blocks - 1
+        else:
+            _, kv_idx, _, full_idx = self.sparse
+            first_partial = Int32(kv_idx[self.b, self.h, self.m, 0])
+            first_full = Int32(full_idx[self.b, self.h, self.m, 0])
+            return Int32(cutlass.select_(self.num_partial > 0, first_partial, first_full))
 
     @property
     def total(self):
@@ -55,3 +77,15 @@ class KvSchedule(Carried):
             else:
                 n = Int32(full_idx[self.b, self.h, self.m, j])
             return n
+
+    @cute.jit
+    def block_of_kind(self, i: Int32, partial: cutlass.Constexpr[bool]) -> Int32:
+        """`block(i)` where the caller's loop already knows whether step i is a partial block (no branch)."""
+        if cutlass.const_expr(self.sparse is None):
+            return self.num_kv_blocks - 1 - i
+        else:
+            _, kv_idx, _, full_idx = self.sparse
+            if cutlass.const_expr(partial):
+                return Int32(kv_idx[self.b, self.h, self.m, i])
+            else:
+                return Int32(full_idx[self.b, self.h, self.m, i - self.num_partial])

@@ -22,6 +22,11 @@ SMEM_BYTES_SM90 = 227 * 1024  # dynamic shared memory one CTA may use on H100/H2
 REGISTERS_PER_SM = 64 * 1024
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
+# Dynamic tile scheduling (`FwdConfig.dynamic_tiles`): the producer warp hands each tile to the consumer warpgroups in
+# a ring of shared-memory slots, each (valid, m_block, head, batch, partial blocks, full blocks).
+TILE_SLOTS = 2
+TILE_SLOT_WORDS = 6
+
 # Debug-only stage removal (`FwdConfig.ablate`): each name compiles a kernel with one stage of the forward taken out,
 # so that timing it against the full kernel says what that stage costs. Outputs of ablated kernels are wrong.
 ABLATIONS = {
@@ -45,14 +50,15 @@ D64_SPARSE_TILE_M = 192
 # time over three sweeps: 1.03-1.07x at B4 S4k and B1 S16k; at D=128 the same option stayed within run-to-run noise
 # (0.99-1.02x), so D=128 keeps 1 (benchmarks/results/fwd_cluster2_h200_2026-11-30.json).
 D64_DENSE_CLUSTER_M = 2
-# Persistent kernels (one CTA per SM looping over tiles) for every default configuration; the launcher fills in the
-# device's SM count.
-PERSISTENT = False
-# ... and, with PERSISTENT off, at D=128 for keys up to this long, where a CTA's own work (8 KV blocks at 1k) is
-# short beside its prologue. H200 kernel time, two sweeps: B8 S1k dense 1.05-1.07x, causal 1.06-1.07x; at B4 S4k
-# dense 1.00x, causal 0.92x, and at S16k down to 0.79x (fwd_sweep_h200_2026-11-30.json,
-# fwd_cluster2_h200_2026-11-30.json).
-D128_PERSISTENT_MAX_SEQLEN_K = 1024
+# Persistent CTAs with dynamic tiles (`FwdConfig.dynamic_tiles`, one CTA per SM) wherever a Q tile visits at most
+# this many KV blocks on average (dense: Skv / tile_n; under a block mask: its lists), so that per-tile prologue and
+# epilogue (Q load, first K, O store) overlap the previous tile's work. Their steps are ~7% longer (481 against 449
+# SASS instructions per dense D=128 step), so long tiles stay one CTA per tile. H200 kernel time against one CTA per
+# tile (benchmarks/results/fwd_dynamic_tiles_h200_2026-11-30.json): documents B4 S4k 1.17x (4 blocks per tile),
+# causal B8 S1k 1.09x, sliding window 1.05x at S4k and S16k (9), causal B4 S4k 1.03x (16.5) and D=64 1.06x; alibi
+# and soft-cap B4 S4k 0.98-1.00x (16.5), documents B1 S16k 0.98x (17.3, within the baseline's own spread); causal
+# B1 S16k 0.98x (64.5), alibi B1 S16k 0.94x. Dense D=64 keeps its K/V multicast clusters instead. 0 turns it off.
+DYNAMIC_MAX_MEAN_KV_BLOCKS = 20
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,11 @@ class FwdConfig:
     dtype_bytes: int = 2
     # Candidate optimizations, all off by default (the measured kernel):
     persistent_ctas: int = 0  # >0: launch min(tiles, this) CTAs that loop over tiles (set it to the SM count)
+    # Persistent only: a CTA takes its next tile from a global counter when it starts one (launch order, so heavy
+    # tiles first and the L2 grouping kept), instead of every G-th tile: no CTA is left with more work than the
+    # others when tiles differ in length (documents, causal). The launcher passes the counter
+    # (`runtime.launch.tile_counter`); the kernel leaves it at 0 for the next launch on that stream.
+    dynamic_tiles: bool = False
     exp2_poly: int = 0  # of every 8 scores of a row fragment, how many take exp2 as an FMA polynomial, not MUFU
     rescale_before_pv: bool = False  # rescale O by the previous row scale while QK runs (FA4 does it for D>128)
     early_block_index: bool = False  # read the next KV block index before waiting on its K (block-sparse)
@@ -118,7 +129,7 @@ class FwdConfig:
     def _smem_bytes(self, separate_o: bool) -> int:
         def up(n):
             return -(-n // 1024) * 1024
-        barriers = 8 * (2 + 4 * self.num_stages)
+        barriers = 8 * (2 + 4 * self.num_stages) + (TILE_SLOTS * (16 + 4 * TILE_SLOT_WORDS) if self.dynamic_tiles else 0)
         q = self.tile_m * self.head_dim * self.dtype_bytes
         kv = self.num_stages * self.tile_n * self.head_dim * self.dtype_bytes
         return up(barriers) + up(q) * (2 if separate_o else 1) + 2 * up(kv)
@@ -148,6 +159,8 @@ class FwdConfig:
         if self.cluster_m > 1 and (self.persistent_ctas or "kv_loads" in self.ablate):
             return "cluster_m=2 pairs Q tiles of one head per launch; it does not combine with persistent_ctas or " \
                    "the kv_loads ablation"
+        if self.dynamic_tiles and not self.persistent_ctas:
+            return "dynamic_tiles=True hands tiles to persistent CTAs: it needs persistent_ctas > 0"
         if self.persistent_ctas < 0:
             return f"persistent_ctas={self.persistent_ctas} must be 0 (off) or a CTA count"
         if not 0 <= self.exp2_poly <= 8:

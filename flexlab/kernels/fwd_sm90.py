@@ -16,6 +16,9 @@ Options in `FwdConfig` (off by default):
     producer issues the next tile's first K before its Q, and when shared memory allows (`separate_o`) O gets its own
     buffer, so the next Q lands while this tile's last PV GEMM and epilogue run; otherwise O stays over Q and the next
     Q waits until the TMA store has read it;
+  * `dynamic_tiles` (with `persistent_ctas`): the producer warp claims each next tile from a global counter in launch
+    order and hands it to the consumers through shared-memory slots (`tile_scheduler.claim_tile`), so CTAs that
+    finish early take more tiles; the launcher's default where tiles are short (`runtime.launch.runs_dynamic`);
   * `cluster_m` = 2 (dense grids): CTAs pair up in clusters over neighbouring Q tiles of one head; each producer
     loads half of every K/V block with a multicast TMA copy that lands in both CTAs, and a stage is refilled only
     once the consumers of both CTAs have released it (their release arrives on both CTAs' empty barriers);
@@ -40,13 +43,13 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from .block_sparse import KvSchedule
-from .config import FwdConfig
+from .config import TILE_SLOT_WORDS, TILE_SLOTS, FwdConfig
 from .layout import as_operand_a, bshd_view, convert_to_16bit, rows_view, tma_tiles, transpose_smem
 from .mask import apply_mask_bits, apply_mask_mod, mask_kv_tail, mask_mod_bits
 from .named_barrier import FwdBarrier
 from .score_mod import apply_score_mod
 from .softmax import OnlineSoftmax, rescale_rows
-from .tile_scheduler import cluster_pair_tile, current_tile, tile_coords
+from .tile_scheduler import claim_tile, cluster_pair_tile, current_tile, hand_over_tile, take_tile, tile_coords
 
 LOG2_E = math.log2(math.e)
 
@@ -83,6 +86,7 @@ class FlexFwdSm90:
         self.producer_regs, self.consumer_regs = cfg.register_split
         self.pingpong = cfg.pingpong and self.num_wg >= 2
         self.persistent = cfg.persistent
+        self.dynamic = cfg.dynamic_tiles
         self.separate_o = cfg.separate_o
         self.cluster_m = cfg.cluster_m
         self.ablate = frozenset(cfg.ablate)
@@ -98,8 +102,11 @@ class FlexFwdSm90:
             return cute.struct.Align[cute.struct.MemRange[self.dtype, cute.cosize(layout)], 1024]
         fields = {"mbar_q": cute.struct.MemRange[Int64, 2],
                   "mbar_k": cute.struct.MemRange[Int64, 2 * self.num_stages],
-                  "mbar_v": cute.struct.MemRange[Int64, 2 * self.num_stages],
-                  "sQ": buffer(sQ_layout), "sK": buffer(sKV_layout), "sV": buffer(sKV_layout)}
+                  "mbar_v": cute.struct.MemRange[Int64, 2 * self.num_stages]}
+        if self.dynamic:
+            fields["mbar_tile"] = cute.struct.MemRange[Int64, 2 * TILE_SLOTS]
+            fields["tile_slots"] = cute.struct.MemRange[Int32, TILE_SLOTS * TILE_SLOT_WORDS]
+        fields.update(sQ=buffer(sQ_layout), sK=buffer(sKV_layout), sV=buffer(sKV_layout))
         if self.separate_o:
             fields["sO"] = buffer(sQ_layout)
         return cute.struct(type("Storage", (), {"__annotations__": fields}))
@@ -108,10 +115,11 @@ class FlexFwdSm90:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: Optional[cute.Tensor], softmax_scale: Float32, qhead_per_kvhead: Int32,
-                 heads_per_group: Int32, sparse, order, aux_tensors: tuple, aux_scalars: tuple,
+                 heads_per_group: Int32, sparse, order, tile_counter, aux_tensors: tuple, aux_scalars: tuple,
                  stream: cuda.CUstream):
         """mQ/mO (B, Hq, Sq, D), mK/mV (B, Hkv, Skv, D) with unit stride on D; mLSE (B, Hq, Sq) fp32, or None for
-        an inference call that does not return it (the row statistics then never leave the registers)."""
+        an inference call that does not return it (the row statistics then never leave the registers);
+        `tile_counter`: a zeroed int32 (1,) tensor with `dynamic_tiles`, else None."""
         mQ, mK, mV, mO = [bshd_view(t) for t in (mQ, mK, mV, mO)]
         if cutlass.const_expr(mLSE is not None):
             mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))  # (Sq, Hq, B)
@@ -153,8 +161,8 @@ class FlexFwdSm90:
             tiles = (num_pairs, mQ.shape[2], num_hb, heads_per_group)
             launch = {"cluster": [self.cluster_m, 1, 1]}
         self.kernel(mQ_t, mK_t, mV_t, mO_t, mLSE, tma_q, tma_k, tma_v, tma_o, softmax_scale, log2_scale,
-                    qhead_per_kvhead, tiles, sparse, order, aux_tensors, aux_scalars, sQ_layout, sKV_layout,
-                    tiled_mma_qk, tiled_mma_pv, Storage).launch(
+                    qhead_per_kvhead, tiles, sparse, order, tile_counter, aux_tensors, aux_scalars, sQ_layout,
+                    sKV_layout, tiled_mma_qk, tiled_mma_pv, Storage).launch(
             grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1, **launch)
 
     # ------------------------------------------------------------------ device side
@@ -162,8 +170,8 @@ class FlexFwdSm90:
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE,
                tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_o: cute.CopyAtom,
                softmax_scale: Float32, log2_scale: Float32, qhead_per_kvhead: Int32, tiles, sparse, order,
-               aux_tensors, aux_scalars, sQ_layout: cute.ComposedLayout, sKV_layout: cute.ComposedLayout,
-               tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, Storage: cutlass.Constexpr):
+               tile_counter, aux_tensors, aux_scalars, sQ_layout: cute.ComposedLayout,
+               sKV_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, Storage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_o):
@@ -195,6 +203,13 @@ class FlexFwdSm90:
         pipe_v = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.num_stages, producer_group=tma_thread,
             consumer_group=kv_consumers, tx_count=kv_bytes, defer_sync=True, **kv_cluster)
+        handoff = None  # dynamic tiles: (slot pipeline, slot words) from the producer warp to the consumers
+        if cutlass.const_expr(self.dynamic):
+            pipe_tile = pipeline.PipelineAsync.create(
+                barrier_storage=storage.mbar_tile.data_ptr(), num_stages=TILE_SLOTS, producer_group=tma_thread,
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_threads),
+                defer_sync=True)
+            handoff = (pipe_tile, storage.tile_slots.get_tensor(cute.make_layout((TILE_SLOT_WORDS, TILE_SLOTS))))
         pipeline.pipeline_init_arrive(cluster_shape)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -219,22 +234,41 @@ class FlexFwdSm90:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.load(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, qhead_per_kvhead,
-                          tiles, sparse, order, num_kv_blocks, first)
+                          tiles, sparse, order, num_kv_blocks, first, tile_counter, handoff)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             tidx = cute.arch.thread_idx()[0] - 128
             self.consume(mQ, mO, mLSE, sQ, sO, sK, transpose_smem(sV), tma_o, tiled_mma_qk, tiled_mma_pv,
                          pipe_q, pipe_k, pipe_v, tidx, warp_idx, tiles, sparse, order, num_kv_blocks, first, seqlen_k,
-                         softmax_scale, log2_scale, aux_tensors, aux_scalars)
+                         softmax_scale, log2_scale, aux_tensors, aux_scalars, handoff)
 
     # ------------------------------------------------------------------ producer
     @cute.jit
     def load(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, qhead_per_kvhead: Int32,
-             tiles, sparse, order, num_kv_blocks: Int32, first):
-        """Producer warp: this CTA's tile, or (persistent) every G-th tile from its block index."""
+             tiles, sparse, order, num_kv_blocks: Int32, first, tile_counter, handoff):
+        """Producer warp: this CTA's tile, or (persistent) every G-th tile from its block index, or (dynamic) its
+        block index first and then whatever tile the counter hands out, each passed on to the consumers."""
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
-        if cutlass.const_expr(self.persistent):
+        if cutlass.const_expr(self.dynamic):
+            pipe_tile, slots = handoff
+            slot = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TILE_SLOTS)
+            tile = Int32(cute.arch.block_idx()[0])
+            num_tiles = tiles[0] * tiles[2]
+            while tile < num_tiles:
+                # Claimed now, used after this tile's loads: the atomic's round trip hides behind them.
+                next_tile = claim_tile(tile_counter, num_tiles)
+                m_block, head, batch = tile_coords(tile, order, *tiles)
+                sched = KvSchedule(sparse, batch, head, m_block, num_kv_blocks)
+                hand_over_tile(pipe_tile, slots, slot, True, m_block, head, batch, sched)
+                slot.advance()
+                q_state, state = self.load_tile(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k,
+                                                pipe_v, m_block, head, batch, head // qhead_per_kvhead, sched,
+                                                q_state, state)
+                tile = next_tile
+            hand_over_tile(pipe_tile, slots, slot, False, Int32(0), Int32(0), Int32(0),
+                           KvSchedule(sparse, Int32(0), Int32(0), Int32(0), num_kv_blocks, (0, 0)))
+        elif cutlass.const_expr(self.persistent):
             tile = Int32(cute.arch.block_idx()[0])
             num_tiles = tiles[0] * tiles[2]
             while tile < num_tiles:
@@ -279,29 +313,34 @@ class FlexFwdSm90:
             cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
 
         total = sched.total
+        first_block = sched.first_block()
         if total > 0:
-            self.load_kv(pipe_k, tma_k, tKgK, tKsK, state, sched, 0)
+            self.load_kv(pipe_k, tma_k, tKgK, tKsK, state, first_block, True)
         if cutlass.const_expr(self.persistent):
             pipe_q.producer_acquire(q_state)
             cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             q_state.advance()
         if total > 0:
+            prev_block = first_block
             for i in cutlass.range(1, total, unroll=1):
                 prev = state.clone()
                 state.advance()
-                self.load_kv(pipe_k, tma_k, tKgK, tKsK, state, sched, i)
-                self.load_kv(pipe_v, tma_v, tVgV, tVsV, prev, sched, i - 1)
-            self.load_kv(pipe_v, tma_v, tVgV, tVsV, state, sched, total - 1)
+                n_block = sched.block(i)
+                self.load_kv(pipe_k, tma_k, tKgK, tKsK, state, n_block, False)
+                self.load_kv(pipe_v, tma_v, tVgV, tVsV, prev, prev_block, i == 1)
+                prev_block = n_block
+            self.load_kv(pipe_v, tma_v, tVgV, tVsV, state, prev_block, total == 1)
             state.advance()
         return q_state, state
 
     @cute.jit
-    def load_kv(self, pipe, tma, tXgX, tXsX, state, sched: KvSchedule, step: Int32):
-        """The K or V block of schedule step `step` into the stage `state` points at."""
+    def load_kv(self, pipe, tma, tXgX, tXsX, state, n_block: Int32, first_step):
+        """K or V block `n_block` into the stage `state` points at; `first_step`: the tile's first block (the
+        kv_loads ablation copies only that one)."""
         if cutlass.const_expr(self.ablated("kv_loads")):
-            if step == 0:
+            if first_step:
                 pipe.producer_acquire(state)
-                cute.copy(tma, tXgX[None, sched.block(step)], tXsX[None, state.index],
+                cute.copy(tma, tXgX[None, n_block], tXsX[None, state.index],
                           tma_bar_ptr=pipe.producer_get_barrier(state))
             else:  # mark the stage full without a copy: consumers reuse whatever it holds
                 pipe.sync_object_empty.wait(state.index, state.phase)
@@ -312,14 +351,15 @@ class FlexFwdSm90:
             if cutlass.const_expr(self.cluster_m > 1):
                 multicast = {"mcast_mask": cutlass.Int16((1 << self.cluster_m) - 1)}
             pipe.producer_acquire(state)
-            cute.copy(tma, tXgX[None, sched.block(step)], tXsX[None, state.index],
+            cute.copy(tma, tXgX[None, n_block], tXsX[None, state.index],
                       tma_bar_ptr=pipe.producer_get_barrier(state), **multicast)
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
     def consume(self, mQ, mO, mLSE, sQ, sO, sK, sVt, tma_o, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
                 pipe_q, pipe_k, pipe_v, tidx: Int32, warp_idx: Int32, tiles, sparse, order, num_kv_blocks: Int32,
-                first, seqlen_k: Int32, softmax_scale: Float32, log2_scale: Float32, aux_tensors, aux_scalars):
+                first, seqlen_k: Int32, softmax_scale: Float32, log2_scale: Float32, aux_tensors, aux_scalars,
+                handoff):
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         wg_mma_qk = tiled_mma_qk.get_slice(wg * 128)
@@ -344,7 +384,20 @@ class FlexFwdSm90:
         args = (mQ, mO, mLSE, sO, tma_o, tiled_mma_qk, tiled_mma_pv, frags, acc_O, s_shape, coords, softmax,
                 row_scale, pipe_q, pipe_k, pipe_v, tidx, warp_idx, wg, seqlen_k, softmax_scale, aux_tensors,
                 aux_scalars)
-        if cutlass.const_expr(self.persistent):
+        if cutlass.const_expr(self.dynamic):
+            pipe_tile, slots = handoff
+            slot = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TILE_SLOTS)
+            valid, m_block, head, batch, known = take_tile(pipe_tile, slots, slot)
+            slot.advance()
+            while valid > 0:
+                sched = KvSchedule(sparse, batch, head, m_block, num_kv_blocks, known)
+                q_state, state = self.consume_tile(*args, m_block, head, batch, sched, q_state, state)
+                valid, m_block, head, batch, known = take_tile(pipe_tile, slots, slot)
+                slot.advance()
+            if cutlass.const_expr(self.separate_o):
+                if warp_idx == 4:  # the last O store must have read shared memory before the CTA exits
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+        elif cutlass.const_expr(self.persistent):
             tile = Int32(cute.arch.block_idx()[0])
             num_tiles = tiles[0] * tiles[2]
             while tile < num_tiles:
@@ -443,7 +496,7 @@ class FlexFwdSm90:
                                         and not self.ablated("mask_mod"))
         n_block = Int32(0)
         if cutlass.const_expr(self.cfg.early_block_index or early_mask):
-            n_block = sched.block(i)  # an index load issued before the waits, so its latency hides behind them
+            n_block = sched.block_of_kind(i, use_mask_mod)  # issued before the waits: its latency hides behind them
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
         pipe_k.consumer_wait(state)
         self.wait_turn(wg)
@@ -463,7 +516,7 @@ class FlexFwdSm90:
         warpgroup.wait_group(0 if no_pv else 1)  # S_i ready; PV still on the tensor cores
         pipe_k.consumer_release(state)
         if cutlass.const_expr(not (self.cfg.early_block_index or early_mask)):
-            n_block = sched.block(i)
+            n_block = sched.block_of_kind(i, use_mask_mod)
         self.mod_scores(acc_S, coords, n_block, seqlen_k, mods, use_mask_mod and not early_mask, False)
         if cutlass.const_expr(early_mask):
             apply_mask_bits(acc_S, keep_bits)

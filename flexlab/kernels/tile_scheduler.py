@@ -12,13 +12,19 @@ cluster take Q tiles 2r and 2r + 1 of the same head, so every K/V block they loa
 
 A persistent kernel (`FwdConfig.persistent_ctas`) launches fewer CTAs than tiles; CTA c then computes tiles c, c + G,
 c + 2G, ... (G = grid size) in the same rank order, so each "wave" of G tiles is exactly the wave the one-tile-per-CTA
-grid would start, and heavy tiles still come first.
+grid would start, and heavy tiles still come first. When tiles differ in length that fixed deal leaves some CTAs with
+more work than others. With `FwdConfig.dynamic_tiles` a CTA instead claims its next tile from a global counter as it
+starts one (`claim_tile`), so tiles are handed out in launch order to whichever CTA is free, as the hardware does for a
+one-tile-per-CTA grid. The producer warp claims and reads the tile's schedule, then hands it to the consumer warpgroups
+through a small ring of shared-memory slots (`hand_over_tile`, `take_tile`).
 """
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
+
+from .block_sparse import KvSchedule
 
 
 @cute.jit
@@ -54,3 +60,41 @@ def cluster_pair_tile(num_pairs: Int32, num_heads: Int32, num_hb: Int32, heads_p
     bid = Int32(cute.arch.block_idx()[0])
     pair_rank, head, batch = tile_coords(bid // 2, None, num_pairs, num_heads, num_hb, heads_per_group)
     return pair_rank * 2 + bid % 2, head, batch
+
+
+@cute.jit
+def claim_tile(counter: cute.Tensor, num_tiles: Int32) -> Int32:
+    """The tile this CTA takes after its current one (>= num_tiles: none left); called by a whole warp, once per tile.
+
+    Tiles below the grid size G are the CTAs' first ones, so claim k returns tile G + k. Every CTA claims once per tile
+    it runs, its last claim coming back empty: exactly num_tiles claims in all, and the one that reads num_tiles - 1
+    is the last touch of the counter in this launch. It puts the counter back to 0 for the next launch on the stream."""
+    old = Int32(0)
+    if cute.arch.lane_idx() == 0:
+        old = Int32(cute.arch.atomic_add(counter.iterator, Int32(1), sem="relaxed", scope="gpu"))
+        if old == num_tiles - 1:
+            counter[0] = Int32(0)
+    old = cute.arch.shuffle_sync(old, 0)
+    return old + Int32(cute.arch.grid_dim()[0])
+
+
+@cute.jit
+def hand_over_tile(pipe, slots: cute.Tensor, slot, valid: cutlass.Constexpr[bool], m_block: Int32, head: Int32,
+                   batch: Int32, sched: KvSchedule):
+    """Producer warp: write a tile (or, `valid=False`, the end of the work) into the next slot and mark it full."""
+    pipe.producer_acquire(slot)
+    if cute.arch.lane_idx() == 0:
+        words = (Int32(1 if valid else 0), m_block, head, batch, sched.num_partial, sched.num_full)
+        for k in cutlass.range_constexpr(len(words)):
+            slots[k, slot.index] = words[k]
+        pipe.producer_commit(slot)
+
+
+@cute.jit
+def take_tile(pipe, slots: cute.Tensor, slot) -> tuple:
+    """Consumer threads: (valid, m_block, head, batch, (partial blocks, full blocks)) from the slot."""
+    pipe.consumer_wait(slot)
+    valid, m_block, head, batch = (Int32(slots[k, slot.index]) for k in range(4))
+    known = tuple(Int32(slots[k, slot.index]) for k in range(4, 6))
+    pipe.consumer_release(slot)
+    return valid, m_block, head, batch, known

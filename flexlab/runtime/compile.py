@@ -98,12 +98,14 @@ def fake_arguments(key: CompileKey):
         sparse = (compact(cutlass.Int32, 3), compact(cutlass.Int32, 4), compact(cutlass.Int32, 3),
                   compact(cutlass.Int32, 4))
     order = compact(cutlass.Int32, 1) if key.tile_order else None
+    tile_counter = compact(cutlass.Int32, 1) if key.config.dynamic_tiles else None
     aux_tensors = tuple(fake_captured_tensor(name, ndim, unit_stride_any_rank=False)
                         for name, ndim in key.aux_tensor_specs)
     aux_scalars = tuple(cutlass.Int32(0) if kind == "int" else cutlass.Float32(0.0) for kind in key.aux_scalar_kinds)
     lse = compact(cutlass.Float32, 3) if key.writes_lse else None
     return (qkv(), qkv(), qkv(), qkv(), lse, cutlass.Float32(1.0), cutlass.Int32(1),
-            cutlass.Int32(1), sparse, order, aux_tensors, aux_scalars, make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi))
+            cutlass.Int32(1), sparse, order, tile_counter, aux_tensors, aux_scalars,
+            make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi))
 
 
 def fake_captured_tensor(dtype_name: str, ndim: int, unit_stride_any_rank: bool = True):

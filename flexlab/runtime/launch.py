@@ -41,6 +41,7 @@ def _static_key_parts() -> tuple[str, bool]:
 
 
 _FAST: dict[tuple, tuple] = {}
+_BASE: dict[tuple, FwdConfig] = {}  # one-CTA-per-tile configuration per call signature (before `runs_dynamic`)
 
 
 def compile_key(mods: KernelMods, dtype: torch.dtype, cfg: FwdConfig, arch: str, sparse: bool,
@@ -51,30 +52,40 @@ def compile_key(mods: KernelMods, dtype: torch.dtype, cfg: FwdConfig, arch: str,
                       cutlass_version=version, tvm_ffi=ffi)
 
 
-def runs_persistent(head_dim: int, seqlen_k: int | None) -> bool:
-    """Whether the default forward is persistent for this call (`PERSISTENT`, `D128_PERSISTENT_MAX_SEQLEN_K`)."""
-    return _policy.PERSISTENT or (head_dim == 128 and seqlen_k is not None
-                                  and seqlen_k <= _policy.D128_PERSISTENT_MAX_SEQLEN_K)
+def runs_dynamic(cfg: FwdConfig, mean_kv_blocks: float | None) -> bool:
+    """Whether the default forward runs persistent CTAs with dynamic tiles (`DYNAMIC_MAX_MEAN_KV_BLOCKS`): when a Q
+    tile visits few KV blocks on average, so each tile's prologue and epilogue weigh. Kernels that pair CTAs into
+    K/V multicast clusters (dense D=64) keep them."""
+    return (cfg.cluster_m == 1 and mean_kv_blocks is not None
+            and mean_kv_blocks <= _policy.DYNAMIC_MAX_MEAN_KV_BLOCKS)
 
 
 def config_for(head_dim: int, sparse: bool, mods: KernelMods, seqlen_k: int | None = None,
-               num_sms: int = 0) -> FwdConfig:
+               num_sms: int = 0, mean_kv_blocks: float | None = None) -> FwdConfig:
     """The kernel configuration flexlab runs for these inputs (`kernels.config.default_config` and its policy knobs,
-    which are read when a configuration is first chosen: set them before the first call); `num_sms` > 0 (the
-    device's SM count) makes it persistent where `runs_persistent` says so."""
-    return _config(head_dim, sparse, mods.score_mod is not None, d128_stages(seqlen_k) if head_dim == 128 else 0,
-                   num_sms if runs_persistent(head_dim, seqlen_k) else 0, bool(mods.aux_tensor_specs))
+    which are read when a configuration is first chosen: set them before the first call). With `num_sms` > 0 (the
+    device's SM count) it is persistent with dynamic tiles where `runs_dynamic` says so; the mean number of KV blocks
+    a Q tile visits is `mean_kv_blocks` under a block mask (`KernelBlockMask.mean_kv_blocks`; None: unknown, one CTA
+    per tile) and follows from `seqlen_k` without one."""
+    base = _config(head_dim, sparse, mods.score_mod is not None, d128_stages(seqlen_k) if head_dim == 128 else 0,
+                   bool(mods.aux_tensor_specs))
+    if not sparse and seqlen_k is not None:
+        mean_kv_blocks = -(-seqlen_k // base.tile_n)
+    return _dynamic(base, num_sms) if num_sms and runs_dynamic(base, mean_kv_blocks) else base
 
 
 @lru_cache(maxsize=None)
-def _config(head_dim: int, sparse: bool, has_score_mod: bool, d128_stage_count: int, persistent_ctas: int,
-            captured_tensors: bool = False):
+def _config(head_dim: int, sparse: bool, has_score_mod: bool, d128_stage_count: int, captured_tensors: bool = False):
     cfg = default_config(head_dim, sparse, has_score_mod, captured_tensors=captured_tensors)
     if head_dim == 128 and d128_stage_count != cfg.num_stages:
         cfg = dataclasses.replace(cfg, num_stages=d128_stage_count)
-    if persistent_ctas:  # a persistent CTA walks tiles alone: no cluster partner to share K/V with
-        cfg = dataclasses.replace(cfg, persistent_ctas=persistent_ctas, cluster_m=1)
     return cfg
+
+
+@lru_cache(maxsize=None)
+def _dynamic(cfg: FwdConfig, num_sms: int) -> FwdConfig:
+    """`cfg` as persistent CTAs, one per SM, taking tiles from a counter (no cluster partner to share K/V with)."""
+    return dataclasses.replace(cfg, persistent_ctas=num_sms, cluster_m=1, dynamic_tiles=True)
 
 
 @lru_cache(maxsize=None)
@@ -93,6 +104,27 @@ def _compiled(mods: KernelMods, dtype: torch.dtype, cfg: FwdConfig, arch: str, s
     return hit
 
 
+_TILE_COUNTERS: dict[tuple, torch.Tensor] = {}
+_GRAPH_COUNTERS: list[torch.Tensor] = []
+
+
+def tile_counter(device: torch.device, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+    """The zeroed int32 counter a `dynamic_tiles` kernel hands tiles out with, one per stream: launches on one stream
+    run one after another and each leaves it at 0 (`kernels.tile_scheduler.claim_tile`); kernels on two streams may
+    overlap, so they never share one (`stream`: whose counter; default the current one). Under CUDA-graph capture
+    every launch gets its own, kept for the graph's life."""
+    if torch.cuda.is_current_stream_capturing():  # replayed later, maybe beside eager launches: never shared
+        counter = torch.zeros(1, dtype=torch.int32, device=device)
+        _GRAPH_COUNTERS.append(counter)
+        return counter
+    stream = stream or torch.cuda.current_stream(device)
+    key = (device.index, stream.cuda_stream)
+    counter = _TILE_COUNTERS.get(key)
+    if counter is None:
+        counter = _TILE_COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
+
+
 def _to_cute(t, align: int | None = None):
     from cutlass.cute.runtime import from_dlpack
     align = align or (16 if t.dim() == 4 else 4)
@@ -106,24 +138,30 @@ def _plan(q: torch.Tensor, k: torch.Tensor, mods: KernelMods, block_mask, config
           writes_lse: bool = True):
     """(compiled function, key, sparse lists or None, launch order or None) for these inputs."""
     D, Skv = q.shape[3], k.shape[2]
-    sparse = order = None
-    fast = None
-    if config is None:
-        # Everything the default configuration depends on; the policy terms are constants unless a knob is set.
-        stages = d128_stages(Skv) if D == 128 else 0
-        num_sms = _sm_count(q.device) if runs_persistent(D, Skv) else 0
-        fast = (mods, q.dtype, D, block_mask is not None, arch, stages, num_sms, writes_lse)
-    hit = _FAST.get(fast) if fast is not None else None
+    sparse = block_mask is not None
+    if config is not None:
+        fn, key = _compiled(mods, q.dtype, config, arch, sparse, writes_lse)
+        kbm = kernel_block_mask(block_mask, q.shape[2], config.tile_m, config.tile_n, Skv) if sparse else None
+        return fn, key, kbm.as_args() if sparse else None, kbm.order if sparse else None
+    # Everything the default configuration depends on; the policy terms are constants unless a knob is set.
+    stages = d128_stages(Skv) if D == 128 else 0
+    fast = (mods, q.dtype, D, sparse, arch, stages, writes_lse)
+    base = _BASE.get(fast)
+    if base is None:
+        base = _BASE[fast] = config_for(D, sparse, mods, Skv)
+    kbm = None
+    if sparse:
+        kbm = kernel_block_mask(block_mask, q.shape[2], base.tile_m, base.tile_n, Skv)
+        mean = kbm.mean_kv_blocks
+    else:
+        mean = -(-Skv // base.tile_n)
+    num_sms = _sm_count(q.device) if runs_dynamic(base, mean) else 0
+    hit = _FAST.get((fast, num_sms))
     if hit is None:
-        cfg = config or config_for(D, block_mask is not None, mods, Skv, num_sms)
-        hit = _compiled(mods, q.dtype, cfg, arch, block_mask is not None, writes_lse)
-        if fast is not None:
-            _FAST[fast] = hit
+        cfg = _dynamic(base, num_sms) if num_sms else base
+        hit = _FAST[(fast, num_sms)] = _compiled(mods, q.dtype, cfg, arch, sparse, writes_lse)
     fn, key = hit
-    if block_mask is not None:
-        kbm = kernel_block_mask(block_mask, q.shape[2], key.config.tile_m, key.config.tile_n, Skv)
-        sparse, order = kbm.as_args(), kbm.order
-    return fn, key, sparse, order
+    return fn, key, kbm.as_args() if sparse else None, kbm.order if sparse else None
 
 
 def _launch_constants(q: torch.Tensor, k: torch.Tensor, block_mask) -> tuple[float, int, int]:
@@ -146,14 +184,16 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: KernelMods 
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device) if with_lse else None
     default_scale, qpk, group = _launch_constants(q, k, block_mask)
     scale = default_scale if scale is None else float(scale)
+    counter = tile_counter(q.device) if key.config.dynamic_tiles else None
     if key.tvm_ffi:
-        fn(q, k, v, out, lse, scale, qpk, group, sparse, order, aux_tensors, aux_scalars)
+        fn(q, k, v, out, lse, scale, qpk, group, sparse, order, counter, aux_tensors, aux_scalars)
     else:
         import cuda.bindings.driver as cuda
         stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
         conv_sparse = tuple(_to_cute(t) for t in sparse) if sparse is not None else None
         fn(_to_cute(q), _to_cute(k), _to_cute(v), _to_cute(out), _to_cute(lse) if with_lse else None, scale, qpk,
            group, conv_sparse, _to_cute(order) if order is not None else None,
+           _to_cute(counter) if counter is not None else None,
            tuple(_to_cute(t, t.element_size()) for t in aux_tensors), tuple(aux_scalars), stream)
     return out, lse
 
@@ -165,7 +205,7 @@ class BoundForward:
     (`backends.cute.WarmForward`)."""
 
     __slots__ = ("fn", "out_like_q", "out_shape", "lse_shape", "dtype", "device", "default_scale", "qpk", "group",
-                 "sparse", "order", "aux_tensors", "aux_scalars", "block_mask")
+                 "sparse", "order", "dynamic_tiles", "aux_tensors", "aux_scalars", "block_mask")
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale) -> tuple | None:
         """(out, lse or None), or None when a base address is not 16-byte aligned (then `forward` copies)."""
@@ -177,7 +217,8 @@ class BoundForward:
         lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32,
                                                                device=self.device)
         self.fn(q, k, v, out, lse, self.default_scale if scale is None else float(scale), self.qpk, self.group,
-                self.sparse, self.order, self.aux_tensors, self.aux_scalars)
+                self.sparse, self.order, tile_counter(self.device) if self.dynamic_tiles else None, self.aux_tensors,
+                self.aux_scalars)
         return out, lse
 
 
@@ -197,6 +238,7 @@ def bind(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: KernelMods = _
     bound.out_like_q = q.is_contiguous()
     bound.default_scale, bound.qpk, bound.group = _launch_constants(q, k, block_mask)
     bound.sparse, bound.order = sparse, order
+    bound.dynamic_tiles = key.config.dynamic_tiles
     bound.aux_tensors, bound.aux_scalars = aux_tensors, aux_scalars
     bound.block_mask = block_mask  # its kernel lists stay valid only while it lives
     return bound

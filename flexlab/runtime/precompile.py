@@ -6,7 +6,8 @@ every gallery variant can pay for all compiles in parallel up front:
     python -m flexlab.runtime.precompile --dims 64,128 --dtypes bfloat16,float16 --seqlens 1024,4096 --backward
 
 For each (variant, head dim, dtype) it builds the forward kernels the launcher picks for the given key lengths
-(`--seqlens`: at D=128 the K/V stage count and, for short keys, the persistent kernel depend on it), each in its
+(`--seqlens`: at D=128 the K/V stage count and, for short tiles, the dynamic persistent kernel depend on it; under a
+block mask both tile schedulers are built, since the launcher picks one from the mask's density), each in its
 LSE-writing (training, `return_lse=True`) and LSE-free (inference) form. With `--backward` it adds the backward's
 three kernels, with the variant's trainable tensors requiring grad. Later calls in any process find the kernels on
 disk (see `disk_cache.KernelCache`).
@@ -41,11 +42,14 @@ def forward_keys(score_mod, mask_mod, head_dim: int, dtype, seqlens, num_sms: in
     sparse = mods.mask_mod is not None
     keys = []
     for seqlen in seqlens:
-        cfg = config_for(head_dim, sparse, mods, seqlen, num_sms)
-        for writes_lse in (True, False):
-            key = compile_key(mods, dtype, cfg, "sm_90a", sparse, writes_lse)
-            if key not in keys:
-                keys.append(key)
+        # Under a block mask the launcher picks the tile scheduler from the mask's density, unknown here: plan both.
+        means = (None, 0) if sparse else (None,)
+        for mean in means:
+            cfg = config_for(head_dim, sparse, mods, seqlen, num_sms, mean)
+            for writes_lse in (True, False):
+                key = compile_key(mods, dtype, cfg, "sm_90a", sparse, writes_lse)
+                if key not in keys:
+                    keys.append(key)
     return mods, keys
 
 

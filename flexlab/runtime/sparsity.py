@@ -32,6 +32,16 @@ class KernelBlockMask:
     def as_args(self) -> tuple:
         return (self.kv_num, self.kv_idx, self.full_num, self.full_idx)
 
+    @property
+    def mean_kv_blocks(self) -> float:
+        """KV blocks a Q tile visits, on average over the mask's batches, heads and Q tiles (the launcher's measure of
+        how short tiles are, `runtime.launch.runs_dynamic`); computed once per mask."""
+        cached = self.__dict__.get("_mean_kv_blocks")
+        if cached is None:
+            cached = float((self.kv_num.sum() + self.full_num.sum()).item()) / max(1, self.kv_num.numel())
+            object.__setattr__(self, "_mean_kv_blocks", cached)
+        return cached
+
 
 def incompatibility(block_mask, tile_m: int, tile_n: int) -> str | None:
     """Why this mask cannot drive a kernel with these tiles, or None."""
@@ -136,6 +146,8 @@ def kernel_block_mask(block_mask, seqlen_q: int, tile_m: int, tile_n: int, seqle
     if seqlen_k % tile_n:
         kv_num, kv_idx, full_num, full_idx = _ragged_block_first(kv_num, kv_idx, full_num, full_idx,
                                                                  seqlen_k // tile_n)
+    # The kernel reads each list's first entry before it knows whether the list is used: never an empty last mode.
+    kv_idx, full_idx = (x if x.shape[-1] else x.new_zeros((*x.shape[:-1], 1)) for x in (kv_idx, full_idx))
     work = (kv_num + full_num).sum(dim=(0, 1))
     order = torch.argsort(work, descending=True, stable=True).to(torch.int32).contiguous()
     result = KernelBlockMask(kv_num, kv_idx, full_num, full_idx, order)

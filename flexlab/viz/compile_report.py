@@ -84,7 +84,9 @@ def sass_opcodes(sass: str) -> Counter:
 
 
 _SASS_LABEL = re.compile(r"^(\.L_x_\d+):")
-_SASS_BRANCH_TARGET = re.compile(r"\bBRA\b.*`\((\.L_x_\d+)\)")
+# A loop's back edge is a predicated branch; an unconditional backward BRA is the jump home from an out-of-line
+# mbarrier retry stub that ptxas puts at the end of the kernel, not a loop (its "body" would span the kernel).
+_SASS_BRANCH_TARGET = re.compile(r"@!?U?P\w+\s+BRA\b.*`\((\.L_x_\d+)\)")
 
 
 def sass_gemm_loop(sass: str) -> Counter:
@@ -98,7 +100,7 @@ def sass_gemm_loop(sass: str) -> Counter:
 
 def sass_gemm_loops(sass: str) -> list[Counter]:
     """Opcode counts of every loop that issues HGMMA, in program order (a masked forward has two: partial blocks,
-    then full blocks)."""
+    then full blocks). Loops end in a predicated backward branch."""
     ops: list[str] = []
     labels: dict[str, int] = {}
     loops: list[Counter] = []
@@ -302,8 +304,8 @@ def forward_kernel_report(score_mod=None, mask_mod=None, *, dtype: str = "bfloat
 def _forward_key(score_mod, mask_mod, dtype: str, head_dim: int, block_sparse: Optional[bool], arch: str):
     """(compile key, kernel mods, config) exactly as backend="cute" would build them for a launch with these mods
     (UnsupportedModError from the code generator names the user's line). TVM-FFI is off: we want PTX, not a .so.
-    No sequence length is known here: at D=128 keys up to `D128_PERSISTENT_MAX_SEQLEN_K` run this kernel with
-    persistent CTAs (`runtime.launch.runs_persistent`), the same code in a tile loop."""
+    No sequence length is known here: where tiles are short the launcher runs this kernel as persistent CTAs with
+    dynamic tiles (`runtime.launch.runs_dynamic`), the same code in a tile loop."""
     import dataclasses
 
     import torch

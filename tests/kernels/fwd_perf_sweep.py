@@ -97,10 +97,18 @@ def variants_for(row, base, num_sms: int) -> list[Variant]:
         out.append(Variant(f"-{stage}", "ablation", rep(base, ablate=(stage,)), ABLATIONS[stage]))
     # (a persistent CTA has no cluster partner: those candidates run without K/V multicast)
     if base.persistent_ctas:  # the default at short keys: the candidate is one CTA per tile
-        cand = [Variant("not_persistent", "candidate", rep(base, persistent_ctas=0), "one CTA per tile")]
+        cand = [Variant("not_persistent", "candidate", rep(base, persistent_ctas=0, dynamic_tiles=False),
+                        "one CTA per tile")]
     else:
         cand = [Variant("persistent", "candidate", rep(base, persistent_ctas=num_sms, cluster_m=1),
                         f"{num_sms} CTAs loop over tiles; O in its own buffer when it fits")]
+    if not base.dynamic_tiles:
+        cand.append(Variant("dynamic", "candidate", rep(base, persistent_ctas=base.persistent_ctas or num_sms,
+                                                        cluster_m=1, dynamic_tiles=True),
+                            "persistent CTAs claim tiles from a global counter, in launch order"))
+    else:
+        cand.append(Variant("static_persistent", "candidate", rep(base, dynamic_tiles=False),
+                            "persistent CTAs take every G-th tile"))
     if row.D == 128:
         cand.append(Variant("stages3", "candidate", rep(base, num_stages=3), "3 K/V stages"))
         cand.append(Variant("persistent+stages3", "candidate", rep(base, num_stages=3, persistent_ctas=num_sms),
@@ -169,9 +177,30 @@ def _case_and_mods(row, device):
     return case, _lowered(case.score_mod, case.mask_mod).mods, _lowered(case.score_mod, case.mask_mod)
 
 
+_MEANS: dict = {}
+
+
+def _mean_kv_blocks(row, mods) -> float | None:
+    """KV blocks per Q tile under the row's block mask (built on the CPU), as the launcher measures it to pick the
+    tile scheduler; None without a mask."""
+    if mods.mask_mod is None:
+        return None
+    if row.name not in _MEANS:
+        from flexlab.bench.cases import build_case
+        from flexlab.mask import create_block_mask
+        from flexlab.runtime import launch
+        from flexlab.runtime.sparsity import kernel_block_mask
+        base = launch.config_for(row.D, True, mods, row.S)
+        bm = create_block_mask(build_case(row.variant, 1, 1, row.S, "cpu").mask_mod, None, None, row.S, row.S,
+                               device="cpu")
+        _MEANS[row.name] = kernel_block_mask(bm, row.S, base.tile_m, base.tile_n, row.S).mean_kv_blocks
+    return _MEANS[row.name]
+
+
 def _variant(row, name: str, mods, num_sms: int) -> Variant:
     from flexlab.runtime import launch
-    base = launch.config_for(row.D, mods.mask_mod is not None, mods, row.S, num_sms)  # what flexlab runs
+    base = launch.config_for(row.D, mods.mask_mod is not None, mods, row.S, num_sms,
+                             _mean_kv_blocks(row, mods))  # what flexlab runs
     for v in variants_for(row, base, num_sms):
         if v.name == name:
             return v
@@ -236,7 +265,7 @@ class RowState:
 def direct_call(state: RowState, fn, key, heads_group: int = 0):
     """A no-argument call of the compiled kernel with everything prepared once (kernel time + a bare launch)."""
     import torch
-    from flexlab.runtime.launch import _to_cute
+    from flexlab.runtime.launch import _to_cute, tile_counter
     from flexlab.runtime.schedule import heads_per_group
     from flexlab.runtime.sparsity import kernel_block_mask
     q, k, v = state.q, state.k, state.v
@@ -249,13 +278,15 @@ def direct_call(state: RowState, fn, key, heads_group: int = 0):
     out = torch.empty_like(q)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
     group = heads_group or heads_per_group(S, D, 2, 1, B * H, state.block_mask is not None)
-    args = (q, k, v, out, lse, D ** -0.5, 1, group, sparse, order, state.aux_t, state.aux_s)
+    counter = tile_counter(q.device) if cfg.dynamic_tiles else None
+    args = (q, k, v, out, lse, D ** -0.5, 1, group, sparse, order, counter, state.aux_t, state.aux_s)
     if key.tvm_ffi:
         return (lambda: fn(*args)), out
     import cuda.bindings.driver as cuda
     conv = (*(_to_cute(t) for t in args[:5]), *args[5:8],
             tuple(_to_cute(t) for t in sparse) if sparse is not None else None,
-            _to_cute(order) if order is not None else None, tuple(_to_cute(t) for t in state.aux_t), state.aux_s,
+            _to_cute(order) if order is not None else None, _to_cute(counter) if counter is not None else None,
+            tuple(_to_cute(t) for t in state.aux_t), state.aux_s,
             cuda.CUstream(torch.cuda.current_stream().cuda_stream))
     return (lambda: fn(*conv)), out
 
@@ -664,7 +695,7 @@ def main(argv=None) -> int:
     chosen = None if args.variants == "all" else {"baseline", *(v.strip() for v in args.variants.split(","))}
     for row in rows:
         row_fields = dataclasses.asdict(row)
-        for v in _variant_names(row, num_sms):
+        for v in _variant_names(row, num_sms, args.selftest):
             if chosen is not None and v not in chosen:
                 continue
             timing_jobs.append((row_fields, v, num_sms))
@@ -735,15 +766,16 @@ def main(argv=None) -> int:
     return 0
 
 
-def _variant_names(row, num_sms: int) -> list[str]:
-    """Variant names of a row without building its mods (the config only decides feasibility, which does not
-    depend on the mods beyond what `row_mods_kind` says)."""
-    from flexlab.kernels.config import default_config
-    from flexlab.runtime.launch import runs_persistent
-    has_score, has_mask = row_mods_kind(row.variant)
-    base = default_config(row.D, has_mask, has_score, row.S)
-    if num_sms and runs_persistent(row.D, row.S):
-        base = dataclasses.replace(base, persistent_ctas=num_sms)
+def _variant_names(row, num_sms: int, selftest: bool = False) -> list[str]:
+    """Variant names of a row, from the configuration the launcher picks for it (mods built on the CPU; with
+    `selftest`, from the row's kind alone)."""
+    from flexlab.runtime import launch
+    if selftest:
+        from flexlab.kernels.config import default_config
+        has_score, has_mask = row_mods_kind(row.variant)
+        return [v.name for v in variants_for(row, default_config(row.D, has_mask, has_score), num_sms)]
+    _, mods, _ = _case_and_mods(row, "cpu")
+    base = launch.config_for(row.D, mods.mask_mod is not None, mods, row.S, num_sms, _mean_kv_blocks(row, mods))
     return [v.name for v in variants_for(row, base, num_sms)]
 
 

@@ -228,14 +228,44 @@ def test_kv_multicast_cluster_candidate(D, Sq, Skv, Hkv):
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("Sq,Skv,Hkv", [(1000, 1000, 16), (1023, 777, 4), (130, 1024, 2)])
 def test_persistent_forward_at_short_keys(masked, Sq, Skv, Hkv):
-    # D=128 with keys up to D128_PERSISTENT_MAX_SEQLEN_K runs persistent CTAs by default. 4 x 16 heads give 128-512
+    # Short tiles (few KV blocks each) run persistent CTAs with dynamic tiles by default. 4 x 16 heads give 128-512
     # tiles, so every CTA loops over several tiles of several heads (longest first under the causal mask).
     from flexlab import create_block_mask
     from flexlab.runtime import launch
     from handwritten_mods import causal_mask, causal_mask_torch
     mods = _mods(mask_mod=causal_mask, tag="causal") if masked else _mods()
-    assert launch.config_for(128, masked, mods, Skv, num_sms=132).persistent_ctas == 132
+    assert launch.config_for(128, masked, mods, Skv, num_sms=132, mean_kv_blocks=4.5).dynamic_tiles
     q, k, v = random_qkv(4, 16, Sq, Skv, 128, torch.bfloat16, "cuda", Hkv=Hkv)
     bm = create_block_mask(causal_mask_torch, 1, 1, Sq, Skv, device="cuda") if masked else None
     out, lse = _run(q, k, v, mods, block_mask=bm)
     _check(out, lse, q, k, v, block_mask=bm)
+
+
+@needs_hopper
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("ctas", [7, 132])
+def test_dynamic_tile_scheduler(D, masked, ctas):
+    # Persistent CTAs that claim tiles from a counter: with 7 CTAs each runs dozens of tiles of many heads. The counter
+    # must be back at 0 after every launch (three in a row here), and a second stream must get a counter of its own.
+    import dataclasses
+
+    from flexlab import create_block_mask
+    from flexlab.kernels.config import default_config
+    from flexlab.runtime.launch import forward, tile_counter
+    from handwritten_mods import causal_mask, causal_mask_torch
+    mods = _mods(mask_mod=causal_mask, tag="causal") if masked else _mods()
+    cfg = dataclasses.replace(default_config(D, masked), persistent_ctas=ctas, cluster_m=1, dynamic_tiles=True)
+    q, k, v = random_qkv(2, 8, 1000, 1000, D, torch.bfloat16, "cuda", Hkv=2)
+    bm = create_block_mask(causal_mask_torch, 1, 1, 1000, 1000, device="cuda") if masked else None
+    for _ in range(3):
+        out, lse = forward(q, k, v, mods, block_mask=bm, config=cfg)
+        _check(out, lse, q, k, v, block_mask=bm)
+        assert tile_counter(q.device).item() == 0
+    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        out2, lse2 = forward(q, k, v, mods, block_mask=bm, config=cfg)
+        assert tile_counter(q.device) is not tile_counter(q.device, main)
+    main.wait_stream(side)
+    _check(out2, lse2, q, k, v, block_mask=bm)

@@ -26,14 +26,19 @@ def fresh_policy(monkeypatch):
 @pytest.mark.parametrize("score_mod", [False, True])
 def test_launcher_defaults_are_the_measured_configs(fresh_policy, D, sparse, score_mod):
     mods = KernelMods(score_mod=(lambda *a: None) if score_mod else None)
-    for seqlen in (None, 1000, 1024, 1025, 16384):
-        cfg = launch.config_for(D, sparse, mods, seqlen, num_sms=132)
-        short = D == 128 and seqlen is not None and seqlen <= 1024  # persistent at short keys, D=128 only
-        assert cfg.persistent_ctas == (132 if short else 0), (seqlen, cfg)
-        assert dataclasses.replace(cfg, persistent_ctas=0) == default_config(D, sparse, score_mod)
-        assert cfg.feasibility_error() is None and cfg.ablate == () and cfg.exp2_poly == 0
-        assert not cfg.rescale_before_pv and not cfg.early_block_index
-        assert launch.config_for(D, sparse, mods, seqlen).persistent_ctas == 0  # no SM count known: not persistent
+    base = default_config(D, sparse, score_mod)
+    for seqlen in (None, 1000, 1024, 1025, 2560, 2688, 16384):
+        for mean in (None, 3.5, 20, 20.5, 64):
+            cfg = launch.config_for(D, sparse, mods, seqlen, num_sms=132, mean_kv_blocks=mean)
+            # dense: the mean follows from the key length when it is known; a block mask's is given (None: unknown)
+            if not sparse and seqlen is not None:
+                mean = -(-seqlen // base.tile_n)
+            short = mean is not None and mean <= policy.DYNAMIC_MAX_MEAN_KV_BLOCKS and base.cluster_m == 1
+            assert (cfg.persistent_ctas, cfg.dynamic_tiles) == ((132, True) if short else (0, False)), (seqlen, cfg)
+            assert dataclasses.replace(cfg, persistent_ctas=0, dynamic_tiles=False) == base
+            assert cfg.feasibility_error() is None and cfg.ablate == () and cfg.exp2_poly == 0
+            assert not cfg.rescale_before_pv and not cfg.early_block_index
+            assert launch.config_for(D, sparse, mods, seqlen, mean_kv_blocks=mean).persistent_ctas == 0  # no SM count
     assert default_config(128).num_stages == 2 and default_config(64, block_sparse=True).tile_m == 192
 
 
@@ -47,11 +52,13 @@ def test_stage_table_picks_three_stages_for_long_keys(fresh_policy):
     assert launch.config_for(128, False, mods, 4096).feasibility_error() is None
 
 
-def test_persistent_knob_uses_the_sm_count(fresh_policy):
-    fresh_policy.setattr(policy, "PERSISTENT", True)
-    cfg = launch.config_for(128, True, KernelMods(), 1024, num_sms=132)
-    assert cfg.persistent_ctas == 132 and cfg.separate_o
+def test_dynamic_knob_uses_the_sm_count(fresh_policy):
+    cfg = launch.config_for(128, True, KernelMods(), 1024, num_sms=132, mean_kv_blocks=4.5)
+    assert cfg.persistent_ctas == 132 and cfg.dynamic_tiles and cfg.separate_o
     assert cfg.smem_bytes() <= policy.SMEM_BYTES_SM90
+    fresh_policy.setattr(policy, "DYNAMIC_MAX_MEAN_KV_BLOCKS", 0)  # off
+    assert launch.config_for(128, True, KernelMods(), 1024, num_sms=132, mean_kv_blocks=4.5).persistent_ctas == 0
+    assert "persistent_ctas" in dataclasses.replace(default_config(128), dynamic_tiles=True).feasibility_error()
 
 
 def test_d64_sparse_tile_knob(fresh_policy):
@@ -120,7 +127,6 @@ def test_kv_multicast_clusters_are_the_dense_d64_default(fresh_policy):
     for D in (64, 128):
         assert default_config(D, block_sparse=True).cluster_m == 1  # a block mask gives paired tiles other KV blocks
     assert default_config(128).cluster_m == 1
-    assert launch.config_for(64, False, KernelMods(), 4096, num_sms=132).cluster_m == 2
-    fresh_policy.setattr(policy, "PERSISTENT", True)  # a persistent CTA has no partner: the cluster goes, still valid
-    persistent = launch.config_for(64, False, KernelMods(), 4096, num_sms=132)
+    assert launch.config_for(64, False, KernelMods(), 1024, num_sms=132).cluster_m == 2  # short tiles too
+    persistent = launch._dynamic(default_config(64), 132)  # a persistent CTA has no partner: the cluster goes
     assert persistent.persistent_ctas == 132 and persistent.cluster_m == 1 and persistent.feasibility_error() is None

@@ -149,6 +149,7 @@ def test_bound_launch_declines_a_misaligned_base_and_passes_the_scale():
     bound.out_like_q = False
     bound.default_scale, bound.qpk, bound.group = 0.125, 1, 2
     bound.sparse = bound.order = bound.block_mask = None
+    bound.dynamic_tiles = False
     bound.aux_tensors, bound.aux_scalars = (), ()
     buf = torch.randn(1 * 2 * 64 * 64 + 8, dtype=torch.bfloat16)
     aligned = buf[:-8].view(1, 2, 64, 64)

@@ -143,7 +143,10 @@ def test_gemm_loop_is_the_smallest_backward_branch_span_with_hgmma():
         /*00a0*/                   BRA `(.L_x_3) ;
 .L_x_3:
         /*00b0*/                   EXIT ;
+        /*00c0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R0 ;
+        /*00d0*/                   BRA `(.L_x_0) ;
 """
+    # (the last two lines: an out-of-line mbarrier retry stub jumping home, an unconditional branch, not a loop)
     loop = sass_gemm_loop(sass)
     assert loop == {"R2UR": 1, "HGMMA.64x64x16.F32.BF16": 1, "MUFU.EX2": 1, "BRA": 1}
     assert sass_gemm_loop(sass.replace("HGMMA.64x64x16.F32.BF16", "FFMA")) == {}  # no tensor-core loop
