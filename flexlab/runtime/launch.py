@@ -41,7 +41,8 @@ def _static_key_parts() -> tuple[str, bool]:
 
 
 _FAST: dict[tuple, tuple] = {}
-_BASE: dict[tuple, FwdConfig] = {}  # one-CTA-per-tile configuration per call signature (before `runs_dynamic`)
+# per call signature: (its one-CTA-per-tile configuration, {SM count of its dynamic form or 0: compiled kernel})
+_PLANS: dict[tuple, tuple] = {}
 
 
 def compile_key(mods: KernelMods, dtype: torch.dtype, cfg: FwdConfig, arch: str, sparse: bool,
@@ -117,12 +118,19 @@ def tile_counter(device: torch.device, stream: torch.cuda.Stream | None = None) 
         counter = torch.zeros(1, dtype=torch.int32, device=device)
         _GRAPH_COUNTERS.append(counter)
         return counter
-    stream = stream or torch.cuda.current_stream(device)
-    key = (device.index, stream.cuda_stream)
+    if stream is None:  # the raw handle: building a torch Stream object costs microseconds per call
+        key = (device.index, _current_raw_stream(device.index))
+    else:
+        key = (device.index, stream.cuda_stream)
     counter = _TILE_COUNTERS.get(key)
     if counter is None:
         counter = _TILE_COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
     return counter
+
+
+def _current_raw_stream(device_index: int) -> int:
+    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return get(device_index) if get is not None else torch.cuda.current_stream(device_index).cuda_stream
 
 
 def _to_cute(t, align: int | None = None):
@@ -146,9 +154,10 @@ def _plan(q: torch.Tensor, k: torch.Tensor, mods: KernelMods, block_mask, config
     # Everything the default configuration depends on; the policy terms are constants unless a knob is set.
     stages = d128_stages(Skv) if D == 128 else 0
     fast = (mods, q.dtype, D, sparse, arch, stages, writes_lse)
-    base = _BASE.get(fast)
-    if base is None:
-        base = _BASE[fast] = config_for(D, sparse, mods, Skv)
+    plans = _PLANS.get(fast)
+    if plans is None:
+        plans = _PLANS[fast] = (config_for(D, sparse, mods, Skv), {})
+    base, compiled = plans  # compiled: SM count of the dynamic kernel (0: one CTA per tile) -> (fn, key)
     kbm = None
     if sparse:
         kbm = kernel_block_mask(block_mask, q.shape[2], base.tile_m, base.tile_n, Skv)
@@ -156,10 +165,10 @@ def _plan(q: torch.Tensor, k: torch.Tensor, mods: KernelMods, block_mask, config
     else:
         mean = -(-Skv // base.tile_n)
     num_sms = _sm_count(q.device) if runs_dynamic(base, mean) else 0
-    hit = _FAST.get((fast, num_sms))
+    hit = compiled.get(num_sms)
     if hit is None:
         cfg = _dynamic(base, num_sms) if num_sms else base
-        hit = _FAST[(fast, num_sms)] = _compiled(mods, q.dtype, cfg, arch, sparse, writes_lse)
+        hit = compiled[num_sms] = _compiled(mods, q.dtype, cfg, arch, sparse, writes_lse)
     fn, key = hit
     return fn, key, kbm.as_args() if sparse else None, kbm.order if sparse else None
 

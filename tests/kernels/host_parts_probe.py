@@ -64,6 +64,7 @@ def entries(B=1, H=2, S=512, D=128):
 
     launch.forward(q, k, v)
     fn, key = next(iter(launch._FAST.values()))
+    counter = launch.tile_counter(q.device) if key.config.dynamic_tiles else None
     out = torch.empty_like(q)
     lse = torch.empty((B, H, S), device="cuda", dtype=torch.float32)
     group = heads_per_group(S, D, 2, 1, B * H, False)
@@ -78,7 +79,7 @@ def entries(B=1, H=2, S=512, D=128):
     return {
         "torch.empty x2": lambda: (torch.empty((B, H, S, D), dtype=q.dtype, device=q.device),
                                    torch.empty((B, H, S), dtype=torch.float32, device=q.device)),
-        "kernel call (preallocated)": lambda: fn(q, k, v, out, lse, D ** -0.5, 1, group, None, None, (), ()),
+        "kernel call (preallocated)": lambda: fn(q, k, v, out, lse, D ** -0.5, 1, group, None, None, counter, (), ()),
         "launch.forward": lambda: launch.forward(q, k, v),
         "cute backend forward": lambda: cute.flex_attention_forward(q, k, v, None, None, None, False),
         "flex_attention cute": lambda: flexlab.flex_attention(q, k, v, backend="cute"),

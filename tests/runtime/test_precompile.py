@@ -23,7 +23,7 @@ def _launcher_keys(monkeypatch, score_mod, mask_mod, head_dim: int, seqlens, num
 
     seen = set()
     monkeypatch.setattr(launch, "_FAST", {})
-    monkeypatch.setattr(launch, "_BASE", {})
+    monkeypatch.setattr(launch, "_PLANS", {})
     monkeypatch.setattr(launch, "_sm_count", lambda device: num_sms)
     monkeypatch.setattr(launch, "forward_kernel", lambda key, mods: seen.add(key) or object())
     mods = kernel_mods(score_mod, mask_mod)
