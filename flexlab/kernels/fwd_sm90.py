@@ -260,14 +260,13 @@ class FlexFwdSm90:
                 next_tile = claim_tile(tile_counter, num_tiles)
                 m_block, head, batch = tile_coords(tile, order, *tiles)
                 sched = KvSchedule(sparse, batch, head, m_block, num_kv_blocks)
-                hand_over_tile(pipe_tile, slots, slot, True, m_block, head, batch, sched)
+                hand_over_tile(pipe_tile, slots, slot, sched, m_block, head, batch)
                 slot.advance()
                 q_state, state = self.load_tile(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k,
                                                 pipe_v, m_block, head, batch, head // qhead_per_kvhead, sched,
                                                 q_state, state)
                 tile = next_tile
-            hand_over_tile(pipe_tile, slots, slot, False, Int32(0), Int32(0), Int32(0),
-                           KvSchedule(sparse, Int32(0), Int32(0), Int32(0), num_kv_blocks, (0, 0)))
+            hand_over_tile(pipe_tile, slots, slot, None)
         elif cutlass.const_expr(self.persistent):
             tile = Int32(cute.arch.block_idx()[0])
             num_tiles = tiles[0] * tiles[2]
@@ -394,9 +393,6 @@ class FlexFwdSm90:
                 q_state, state = self.consume_tile(*args, m_block, head, batch, sched, q_state, state)
                 valid, m_block, head, batch, known = take_tile(pipe_tile, slots, slot)
                 slot.advance()
-            if cutlass.const_expr(self.separate_o):
-                if warp_idx == 4:  # the last O store must have read shared memory before the CTA exits
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
         elif cutlass.const_expr(self.persistent):
             tile = Int32(cute.arch.block_idx()[0])
             num_tiles = tiles[0] * tiles[2]
@@ -405,12 +401,12 @@ class FlexFwdSm90:
                 sched = KvSchedule(sparse, batch, head, m_block, num_kv_blocks)
                 q_state, state = self.consume_tile(*args, m_block, head, batch, sched, q_state, state)
                 tile += Int32(cute.arch.grid_dim()[0])
-            if cutlass.const_expr(self.separate_o):
-                if warp_idx == 4:  # the last O store must have read shared memory before the CTA exits
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
         else:
             m_block, head, batch, sched = first
             self.consume_tile(*args, m_block, head, batch, sched, q_state, state)
+        if cutlass.const_expr(self.separate_o):  # (persistent kernels only)
+            if warp_idx == 4:  # the last O store must have read shared memory before the CTA exits
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def consume_tile(self, mQ, mO, mLSE, sO, tma_o, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, frags,

@@ -20,6 +20,8 @@ through a small ring of shared-memory slots (`hand_over_tile`, `take_tile`).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
@@ -79,12 +81,14 @@ def claim_tile(counter: cute.Tensor, num_tiles: Int32) -> Int32:
 
 
 @cute.jit
-def hand_over_tile(pipe, slots: cute.Tensor, slot, valid: cutlass.Constexpr[bool], m_block: Int32, head: Int32,
-                   batch: Int32, sched: KvSchedule):
-    """Producer warp: write a tile (or, `valid=False`, the end of the work) into the next slot and mark it full."""
+def hand_over_tile(pipe, slots: cute.Tensor, slot, sched: Optional[KvSchedule], m_block: Int32 = 0, head: Int32 = 0,
+                   batch: Int32 = 0):
+    """Producer warp: write a tile (or, `sched=None`, the end of the work) into the next slot and mark it full."""
     pipe.producer_acquire(slot)
     if cute.arch.lane_idx() == 0:
-        words = (Int32(1 if valid else 0), m_block, head, batch, sched.num_partial, sched.num_full)
+        valid = sched is not None
+        words = (Int32(1 if valid else 0), Int32(m_block), Int32(head), Int32(batch),
+                 sched.num_partial if valid else Int32(0), sched.num_full if valid else Int32(0))
         for k in cutlass.range_constexpr(len(words)):
             slots[k, slot.index] = words[k]
         pipe.producer_commit(slot)

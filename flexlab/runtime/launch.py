@@ -53,6 +53,11 @@ def compile_key(mods: KernelMods, dtype: torch.dtype, cfg: FwdConfig, arch: str,
                       cutlass_version=version, tvm_ffi=ffi)
 
 
+def dense_mean_kv_blocks(cfg: FwdConfig, seqlen_k: int) -> int:
+    """KV blocks every Q tile visits without a block mask."""
+    return -(-seqlen_k // cfg.tile_n)
+
+
 def runs_dynamic(cfg: FwdConfig, mean_kv_blocks: float | None) -> bool:
     """Whether the default forward runs persistent CTAs with dynamic tiles (`DYNAMIC_MAX_MEAN_KV_BLOCKS`): when a Q
     tile visits few KV blocks on average, so each tile's prologue and epilogue weigh. Kernels that pair CTAs into
@@ -71,7 +76,7 @@ def config_for(head_dim: int, sparse: bool, mods: KernelMods, seqlen_k: int | No
     base = _config(head_dim, sparse, mods.score_mod is not None, d128_stages(seqlen_k) if head_dim == 128 else 0,
                    bool(mods.aux_tensor_specs))
     if not sparse and seqlen_k is not None:
-        mean_kv_blocks = -(-seqlen_k // base.tile_n)
+        mean_kv_blocks = dense_mean_kv_blocks(base, seqlen_k)
     return _dynamic(base, num_sms) if num_sms and runs_dynamic(base, mean_kv_blocks) else base
 
 
@@ -128,9 +133,9 @@ def tile_counter(device: torch.device, stream: torch.cuda.Stream | None = None) 
     return counter
 
 
-def _current_raw_stream(device_index: int) -> int:
-    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return get(device_index) if get is not None else torch.cuda.current_stream(device_index).cuda_stream
+# torch's own cheap accessor for the current stream's handle (what its compiled kernels use), where the build has it
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda device_index: torch.cuda.current_stream(device_index).cuda_stream)
 
 
 def _to_cute(t, align: int | None = None):
@@ -158,12 +163,8 @@ def _plan(q: torch.Tensor, k: torch.Tensor, mods: KernelMods, block_mask, config
     if plans is None:
         plans = _PLANS[fast] = (config_for(D, sparse, mods, Skv), {})
     base, compiled = plans  # compiled: SM count of the dynamic kernel (0: one CTA per tile) -> (fn, key)
-    kbm = None
-    if sparse:
-        kbm = kernel_block_mask(block_mask, q.shape[2], base.tile_m, base.tile_n, Skv)
-        mean = kbm.mean_kv_blocks
-    else:
-        mean = -(-Skv // base.tile_n)
+    kbm = kernel_block_mask(block_mask, q.shape[2], base.tile_m, base.tile_n, Skv) if sparse else None
+    mean = kbm.mean_kv_blocks if sparse else dense_mean_kv_blocks(base, Skv)
     num_sms = _sm_count(q.device) if runs_dynamic(base, mean) else 0
     hit = compiled.get(num_sms)
     if hit is None:

@@ -28,19 +28,12 @@ class KernelBlockMask:
     full_num: torch.Tensor
     full_idx: torch.Tensor
     order: torch.Tensor  # (nQ,) int32: Q tiles longest-work-first
+    # KV blocks a Q tile visits, on average over the mask's batches, heads and Q tiles: the launcher's measure of how
+    # short tiles are (`runtime.launch.runs_dynamic`)
+    mean_kv_blocks: float
 
     def as_args(self) -> tuple:
         return (self.kv_num, self.kv_idx, self.full_num, self.full_idx)
-
-    @property
-    def mean_kv_blocks(self) -> float:
-        """KV blocks a Q tile visits, on average over the mask's batches, heads and Q tiles (the launcher's measure of
-        how short tiles are, `runtime.launch.runs_dynamic`); computed once per mask."""
-        cached = self.__dict__.get("_mean_kv_blocks")
-        if cached is None:
-            cached = float((self.kv_num.sum() + self.full_num.sum()).item()) / max(1, self.kv_num.numel())
-            object.__setattr__(self, "_mean_kv_blocks", cached)
-        return cached
 
 
 def incompatibility(block_mask, tile_m: int, tile_n: int) -> str | None:
@@ -150,7 +143,7 @@ def kernel_block_mask(block_mask, seqlen_q: int, tile_m: int, tile_n: int, seqle
     kv_idx, full_idx = (x if x.shape[-1] else x.new_zeros((*x.shape[:-1], 1)) for x in (kv_idx, full_idx))
     work = (kv_num + full_num).sum(dim=(0, 1))
     order = torch.argsort(work, descending=True, stable=True).to(torch.int32).contiguous()
-    result = KernelBlockMask(kv_num, kv_idx, full_num, full_idx, order)
+    result = KernelBlockMask(kv_num, kv_idx, full_num, full_idx, order, float(work.sum()) / max(1, kv_num.numel()))
     _CACHE[key] = result
     # Keep the BlockMask alive with its entry so its id cannot be reused by another mask while cached.
     _CACHE.move_to_end(key)
