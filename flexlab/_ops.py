@@ -37,6 +37,7 @@ class ModEntry:
         self.aux_tensors: list[Tensor] = []
         self.aux_scalars: list[float] = []
         self.grad_slots: list[int] = []  # positions in aux_tensors whose gradient the backward computes
+        self.stored_masks = None
         self._state = None
         self.refresh()
 
@@ -51,6 +52,10 @@ class ModEntry:
         # fastmath, as the forward kernel's mods: the backward must recompute exactly the scores the LSE came from.
         g = generate(self.score_mod, self.mask_mod, fastmath=True)
         self.generated, self._state = g, state
+        # Partial-block masks stored as bits for the backward (`runtime.mask_bits`), where mask_mod reads captured
+        # tensors; its cache follows in-place edits of them through their version counters.
+        from .runtime.mask_bits import store_for
+        self.stored_masks = store_for(g, self.mask_mod, watch=tuple(g.aux_tensors))
         self.aux_tensors = list(g.aux_tensors)
         self.aux_scalars = [float(v) for v in g.aux_scalars]
         self.grad_slots = [i for i, rg in enumerate(g.aux_requires_grad) if rg]

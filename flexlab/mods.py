@@ -106,6 +106,17 @@ def evaluate_mask_mod(mask_mod: MaskMod, b: torch.Tensor, h: torch.Tensor, q: to
     return out.expand(len(b), len(h), len(q), len(kv))
 
 
+def evaluate_mask_mod_pointwise(mask_mod: MaskMod, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor,
+                                kv: torch.Tensor) -> torch.Tensor:
+    """Evaluate `mask_mod` at the points (b[i], h[i], q[i], kv[i]) of four equally long 1-D int tensors -> bool (n,)
+    (where a grid would be wasteful: the scores of scattered blocks)."""
+    with _index_mode():
+        out = torch.vmap(mask_mod, in_dims=(0, 0, 0, 0), out_dims=0)(b, h, q, kv)
+    if out.dtype != torch.bool:
+        raise FlexlabTypeError(f"mask_mod {mod_name(mask_mod)!r} must return a bool tensor, got {out.dtype}")
+    return out.expand(b.shape[0])
+
+
 def evaluate_score_mod(score_mod: ScoreMod, scores: torch.Tensor, b: torch.Tensor, h: torch.Tensor,
                        q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     """Apply `score_mod` to `scores` of shape (len b, len h, len q, len kv); differentiable."""

@@ -69,8 +69,9 @@ def _fingerprint(v):
 class _Lowered:
     """A generated mod pair ready for the runtime: kernel mods, captured tensors in kernel dtypes, scalar values."""
 
-    def __init__(self, g, state):
+    def __init__(self, g, state, mask_mod=None):
         from ..runtime.compile import KernelMods
+        from ..runtime.mask_bits import store_for
         self.state = state
         module = g.module()
         self.aux_tensors = tuple(g.kernel_aux_tensors())  # detached kernel copies
@@ -83,6 +84,9 @@ class _Lowered:
         self.mods = KernelMods(module.score_mod if g.has_score_mod else None,
                                module.mask_mod if g.has_mask_mod else None, g.source_hash, specs, kinds)
         self._per_device: dict = {}
+        # Partial-block masks stored as bits where mask_mod reads captured tensors (`runtime.mask_bits`); built for
+        # the captured values of this lowering, which is replaced when they change.
+        self.stored_masks = store_for(g, mask_mod, watch=self.captured)
 
     def captured_requires_grad(self) -> bool:
         """Whether a tensor the mods capture requires grad now (read from the user's tensors at every call)."""
@@ -118,7 +122,7 @@ def _lowered(score_mod, mask_mod) -> _Lowered:
         from ..codegen import generate  # the code generator: readable CuTeDSL source for the mods
         # fastmath: hardware approximations (tanh.approx, ex2.approx, ...) whose error is far below the bf16/fp16
         # rounding of P, the same trade FA4 makes for its soft-cap.
-        hit = _Lowered(generate(score_mod, mask_mod, fastmath=True), state)
+        hit = _Lowered(generate(score_mod, mask_mod, fastmath=True), state, mask_mod)
         put_bounded(_LOWERED, key, hit, MOD_CACHE_ENTRIES)
     return hit
 
@@ -206,6 +210,13 @@ def kernel_mods(score_mod, mask_mod):
     return _lowered(score_mod, mask_mod).mods
 
 
+def stores_mask_bits(score_mod, mask_mod) -> bool:
+    """Whether launches with this mask_mod (in a BlockMask) read partial-block masks from stored bits
+    (`runtime.mask_bits`) rather than evaluating it, where the kernel's tiles allow."""
+    mask_mod = _real_mask(mask_mod)
+    return mask_mod is not None and _lowered(score_mod, mask_mod).stored_masks is not None
+
+
 def captured_requires_grad(score_mod, mask_mod) -> bool:
     """Whether a tensor the mods capture requires grad (a learnable bias table, per-head slopes, ...)."""
     mask_mod = _real_mask(mask_mod)
@@ -260,7 +271,7 @@ def flex_attention_forward(q, k, v, score_mod, block_mask, scale, enable_gqa, ca
     if low is None:
         low = _lowered(score_mod, mask_mod)
     return forward(q, k, v, low.mods, low.tensors_on(q.device), low.aux_scalars, block_mask, scale,
-                   with_lse=with_lse)
+                   with_lse=with_lse, stored_masks=low.stored_masks)
 
 
 class WarmForward:
@@ -299,7 +310,8 @@ def bind_forward(q, k, v, score_mod, block_mask, with_lse: bool = True) -> WarmF
         low = _LOWERED.get((score_mod, mask_mod))
         if low is None:
             return None
-        bound = launch.bind(q, k, v, low.mods, low.tensors_on(q.device), low.aux_scalars, block_mask, with_lse)
+        bound = launch.bind(q, k, v, low.mods, low.tensors_on(q.device), low.aux_scalars, block_mask, with_lse,
+                            stored_masks=low.stored_masks)
     if bound is None:
         return None
     warm = WarmForward()

@@ -121,6 +121,16 @@ class GeneratedMods:
             return 0
         return self._graph.op_count(self._traced.mask_root)
 
+    def mask_reads(self, what: str) -> bool:
+        """Whether the mask_mod's value depends on `what`: "b", "h", "q_idx", "kv_idx" (its index arguments) or
+        "tensor" (a load from a captured tensor). The launchers read it to decide whether a partial block's mask is
+        worth storing as bits (`runtime.mask_bits`) and over which batch and head modes it varies."""
+        if not self.has_mask_mod:
+            return False
+        if what == "tensor":
+            return self._graph.depends_on(self._traced.mask_root, lambda n: n.op == "load")
+        return self._graph.depends_on(self._traced.mask_root, lambda n: n.op == "input" and n.attr[0] == what)
+
     @property
     def aux_tensors(self) -> list[torch.Tensor]:
         return [t.tensor for t in self._graph.aux_tensors]

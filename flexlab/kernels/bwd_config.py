@@ -76,6 +76,10 @@ class BwdConfig:
     mask_early: bool = False
     early_dv: bool = False
     dq_warp: bool = True
+    # Block-sparse only: partial blocks read their mask from bits stored by the launcher (`runtime.mask_bits`, rows =
+    # keys, 64 or 128 query columns) instead of evaluating mask_mod; chosen where the forward's are
+    # (`kernels.config.STORE_MASK_BITS`: masks that read captured tensors).
+    mask_bits: bool = False
 
     @property
     def num_consumer_wgs(self) -> int:
@@ -127,6 +131,9 @@ class BwdConfig:
                     f"dQ: tile_m must be {64 * self.num_consumer_wgs}, got {self.tile_m}")
         if self.smem_bytes() > SMEM_BYTES_SM90:
             return f"needs {self.smem_bytes()} bytes of shared memory, sm90 has {SMEM_BYTES_SM90}"
+        if self.mask_bits and (self.tile_n != 128 or self.tile_m not in (64, 128) or self.mask_early):
+            return "mask_bits=True stores 128 key rows of 64 or 128 query columns per block and replaces " \
+                   "mask_early: it needs tile_n=128, tile_m 64 or 128 and mask_early=False"
         producer, consumer = self.register_split
         if 128 * producer + 128 * self.num_consumer_wgs * consumer > REGISTERS_PER_SM:
             return "register split exceeds 64K registers per CTA"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
@@ -264,6 +264,16 @@ def visit_ranks(sparse: tuple, num_m_tiles: int) -> torch.Tensor:
     return (visits.cumsum(dim=2) - visits).to(torch.int32).contiguous()
 
 
+def stored_bits(entry, masks: QLists, cfg: BwdConfig, batch: int, heads: int, seqlen_q: int, seqlen_k: int):
+    """The partial-block bits of `masks` for this kernel's tiles (rows = keys, `runtime.mask_bits`), or None where
+    the mods store none (`ModEntry.stored_masks`), the tiles are not ones the layout covers, or they are too large."""
+    store = getattr(entry, "stored_masks", None)
+    if store is None or cfg.tile_n != 128 or cfg.tile_m not in (64, 128) or cfg.mask_early:
+        return None
+    num, idx = masks.tensors[0], masks.tensors[1]
+    return store.bits(masks, num, idx, batch, heads, False, cfg.tile_n, seqlen_k, seqlen_q, tile_cols=cfg.tile_m)
+
+
 def config_for(head_dim: int, deterministic: bool, g, aux_grads: bool, q_block: int | None = None) -> BwdConfig:
     """The configuration this call runs: `g` the generated mods (or None), `aux_grads` whether captured tensors get
     gradients, `q_block` the block mask's Q block size (None without a mask)."""
@@ -323,11 +333,15 @@ def _kernels(g, grad_slots, kernel_aux, dtype: torch.dtype, cfg: BwdConfig, spar
 
 
 def backward_kernels(g, grad_slots, dtype: torch.dtype, head_dim: int, q_block: int | None = None,
-                     has_dlse: bool = False, deterministic: bool = False, arch: str = "sm_90a") -> Kernels:
+                     has_dlse: bool = False, deterministic: bool = False, arch: str = "sm_90a",
+                     mask_bits: bool = False) -> Kernels:
     """The compiled kernels a backward call with the generated mods `g` (None: none) would run, without running them
     (precompilation): `grad_slots` the captured tensors that require grad, `q_block` the block mask's Q block size
-    (None without a mask)."""
+    (None without a mask), `mask_bits` whether the mods store partial-block bits (`ModEntry.stored_masks`; used where
+    the tiles allow, as `stored_bits` decides)."""
     cfg = config_for(head_dim, deterministic, g, bool(grad_slots), q_block)
+    if mask_bits and q_block is not None and cfg.tile_n == 128 and cfg.tile_m in (64, 128) and not cfg.mask_early:
+        cfg = replace(cfg, mask_bits=True)
     kernel_aux = tuple(g.kernel_aux_tensors()) if g is not None else ()
     return _kernels(g, grad_slots, kernel_aux, dtype, cfg, q_block is not None, has_dlse, deterministic, arch)
 
@@ -353,11 +367,14 @@ def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, bloc
         if t.device != dev:
             raise BackendUnavailableError(f"captured tensor '{g.aux_tensor_names[i]}' is on {t.device} but the inputs "
                                           f"are on {dev}; move it with .to({str(dev)!r}) before building the mods")
-    masks = None
+    masks = bits = None
     pad = cfg.tile_m
     if block_mask:
         masks = _cached_q_direction(block_mask, block_size, cfg, Skv)
         pad = math.lcm(cfg.tile_m, int(block_size[0]))  # listed Q tiles may run past Sq up to a mask block
+        bits = stored_bits(entry, masks, cfg, B, Hq, Sq, Skv)
+        if bits is not None:
+            cfg = replace(cfg, mask_bits=True)
     kernels = _kernels(g, entry.grad_slots, kernel_aux, q.dtype, cfg, masks is not None, dlse is not None,
                        deterministic, arch)
 
@@ -377,8 +394,9 @@ def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, bloc
 
     # Argument order = the kernels' __call__ signatures; None for an input compiled as absent.
     kernels.pre(out, dout, lse.contiguous(), dlse.contiguous() if dlse is not None else None, dpsum, lse2)
-    kernels.main(q, k, v, dout, lse2, dpsum, dq_accum, dk, dv, scale, Hq // Hkv,
-                 masks.tensors if masks is not None else None, kernel_aux, scalars, grads, sem, rank)
+    sparse = None if masks is None else masks.tensors if bits is None else masks.tensors + (bits,)
+    kernels.main(q, k, v, dout, lse2, dpsum, dq_accum, dk, dv, scale, Hq // Hkv, sparse, kernel_aux, scalars, grads,
+                 sem, rank)
     kernels.post(dq_accum, dq, scale)
     if kernels.grad_dtype == torch.int64:
         from .bwd_aux_grad import from_fixed_point

@@ -198,6 +198,10 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
                sdQ_layout: cute.Layout, tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma,
                tiled_mma_dq: cute.TiledMma, Storage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        bits = None  # `mask_bits`: partial-block masks stored as bits, passed after the four block lists
+        if cutlass.const_expr(self.cfg.mask_bits):
+            bits = sparse[4]
+            sparse = (sparse[0], sparse[1], sparse[2], sparse[3])
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv, tma_dq):
                 cpasync.prefetch_descriptor(atom)
@@ -246,7 +250,7 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
             self.consume(mQ, mK, mdK, mdV, mdQ, mLSE2, mDpsum, sQ, sK, sV, sdO, sdS, storage, sKV_layout, sdQ_layout,
                          tma_dk, tma_dv, tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_kv, pipe_qdo,
                          tidx, warp_idx, n_block, head_kv, batch, qhead_per_kvhead, num_m_blocks, sparse,
-                         softmax_scale, log2_scale, aux_tensors, aux_scalars, aux_grads, mdQsem, mRank, stats)
+                         softmax_scale, log2_scale, aux_tensors, aux_scalars, aux_grads, mdQsem, mRank, stats, bits)
 
     @cute.jit
     def consume(self, mQ, mK, mdK, mdV, mdQ, mLSE2, mDpsum, sQ, sK, sV, sdO, sdS, storage, sKV_layout, sdQ_layout,
@@ -254,7 +258,7 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
                 tiled_mma_dq: cute.TiledMma, pipe_kv, pipe_qdo, tidx: Int32, warp_idx: Int32, n_block: Int32,
                 head_kv: Int32, batch: Int32, qhead_per_kvhead: Int32, num_m_blocks: Int32, sparse,
                 softmax_scale: Float32, log2_scale: Float32, aux_tensors, aux_scalars, aux_grads, mdQsem, mRank,
-                stats):
+                stats, bits):
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
         wg_sdp = tiled_mma_sdp.get_slice(wg * 128)
@@ -295,7 +299,10 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
             sLSE2, sDpsum = stats[2], stats[3]
         ops = StepOperands(tSrK=tSrK, tSrQ=tSrQ, tPrV=tPrV, tPrdO=tPrdO, tVrdOt=tVrdOt, tKrQt=tKrQt, tVrP=tVrP,
                            tQrdS=tQrdS, tQrKt=tQrKt, s_shape=s_shape, dq_shape=dq_shape, coords=coords, st_ds=st_ds,
-                           thr_st_ds=thr_st_ds, tdSsdS=tdSsdS, dq_store_view=dq_store_view, sLSE2=sLSE2, sDpsum=sDpsum)
+                           thr_st_ds=thr_st_ds, tdSsdS=tdSsdS, dq_store_view=dq_store_view, sLSE2=sLSE2, sDpsum=sDpsum,
+                           stored=None)
+        if cutlass.const_expr(bits is not None):  # (bits, KV tile, this thread's first key row, its word = lane % 4)
+            ops.stored = (bits, n_block, coords[0][1], coords[0][0] // 2)
         tight = self.stats_in_smem and (sparse is not None or self.tile_m > 64)
         if cutlass.const_expr(self.rebuild_ds_store or tight):
             ops.tdSsdS = None
@@ -316,7 +323,7 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
             order = (mdQsem, mRank, sched.b, sched.h, n_block)
             mods = (batch, head, seqlen_q - 1, seqlen_k - 1, softmax_scale, aux_tensors, aux_scalars, aux_grads, order)
             for i in cutlass.range(sched.total, unroll=1):
-                self.step(sched.block(i), i < sched.num_partial, state, ds_index, ops, acc_dK, acc_dV, tdQs, tdQg,
+                self.step(sched.block(i), i < sched.num_partial, i, state, ds_index, ops, acc_dK, acc_dV, tdQs, tdQg,
                           tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_qdo, mLSE2, mDpsum, kv_start,
                           seqlen_k, log2_scale, mods, wg)
                 state.advance()
@@ -387,6 +394,8 @@ def fake_arguments(cfg: BwdConfig, dtype, block_sparse: bool = False, aux_tensor
     if block_sparse:
         sparse = (compact(Int32, (sym(), sym(), sym())), compact(Int32, (sym(), sym(), sym(), sym())),
                   compact(Int32, (sym(), sym(), sym())), compact(Int32, (sym(), sym(), sym(), sym())))
+        if cfg.mask_bits:  # (B, H, KV tiles, partial blocks, tile_n key rows, 4 words): `runtime.mask_bits`
+            sparse += (compact(Int32, (sym(), sym(), sym(), sym(), cfg.tile_n, 4), align=16),)
     rows = compact(Float32, (sym(), sym(), cute.sym_int32(divisibility=cfg.tile_m)))
     accum = compact(Float32, (sym(), sym(), cute.sym_int32(divisibility=cfg.tile_m), hd), align=16)
     from ..runtime.compile import fake_captured_tensor

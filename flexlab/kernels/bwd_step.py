@@ -20,7 +20,8 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .fwd_sm90 import wgmma
 from .layout import as_operand_a, convert_to_16bit, rows_view
-from .mask import apply_mask_bits, apply_mask_mod, element_indices, mask_kv_tail, mask_mod_bits
+from .mask import (FRAGMENT_ROWS, apply_fragment_bits, apply_mask_bits, apply_mask_mod, element_indices,
+                   load_fragment_bits, mask_kv_tail, mask_mod_bits)
 from .named_barrier import BwdBarrier
 from .score_mod import apply_score_mod
 
@@ -37,21 +38,24 @@ class StepOperands(SimpleNamespace):
     smem-descriptor fragments (tSrK, tSrQ, tPrV, tPrdO, tVrdOt, tKrQt, tQrdS, tQrKt), the register A fragment of P
     (tVrP), the dS store (st_ds, thr_st_ds, and tdSsdS, or None and a `ds_store_view()` that rebuilds it), the
     builder of the dQ slab view (dq_store_view), the accumulator shapes (s_shape, dq_shape), the (q, kv) coordinates
-    of the transposed score accumulator (coords) and, with stats_in_smem, the per-stage LSE2/D rows in shared memory
-    (sLSE2, sDpsum; None otherwise)."""
+    of the transposed score accumulator (coords), with stats_in_smem the per-stage LSE2/D rows in shared memory
+    (sLSE2, sDpsum; None otherwise) and, with mask_bits, where this thread's stored mask bits are (stored: bits, KV
+    tile, first key row, word; None otherwise)."""
 
 
 class BwdStep:
     """The per-step math of the backward kernel (mixed into `FlexBwdSm90`)."""
 
     @cute.jit
-    def step(self, m_block: Int32, partial, state, ds_index: Int32, ops: StepOperands, acc_dK, acc_dV, tdQs, tdQg,
+    def step(self, m_block: Int32, partial, position: Int32, state, ds_index: Int32, ops: StepOperands, acc_dK,
+             acc_dV, tdQs, tdQg,
              tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_qdo, mLSE2, mDpsum, kv_start: Int32,
              seqlen_k: Int32, log2_scale: Float32, mods, wg: Int32):
         """One query tile against this CTA's keys: S^T, dP^T, P, dS, then dV, dK, and this tile's dQ partial.
 
         `partial`: the block mask lists this tile as partial, so mask_mod applies (a runtime branch, which keeps
-        one copy of the step in the binary instead of one per block kind)."""
+        one copy of the step in the binary instead of one per block kind); `position`: its place in the partial list
+        (where its stored mask bits are, with `mask_bits`)."""
         batch, head, q_last, kv_last, softmax_scale, aux_tensors, aux_scalars, aux_grads, order = mods
         q_start = m_block * self.tile_m
         coords = ops.coords
@@ -67,6 +71,13 @@ class BwdStep:
         if cutlass.const_expr(not self.lean):
             wgmma(tiled_mma_sdp, acc_dP, ops.tPrV, ops.tPrdO[None, None, None, stage], True, -1)
         early_mask = cutlass.const_expr(self.mask_early and self.mask_mod is not None)
+        words = None
+        if cutlass.const_expr(ops.stored is not None and self.mask_mod is not None):
+            # the stored bits of a partial block, loaded while S^T is on the tensor cores
+            words = cute.make_rmem_tensor(FRAGMENT_ROWS, cutlass.Uint32)
+            if partial:
+                bits, n_block, row, word = ops.stored
+                load_fragment_bits(words, bits, batch, head, n_block, position, row, word)
         keep_bits = None
         if cutlass.const_expr(early_mask):
             # mask_mod into bit masks while S^T is on the tensor cores: the loads of captured tensors it reads then
@@ -89,7 +100,9 @@ class BwdStep:
                             kv_last, self.clamp_indices, aux_tensors, aux_scalars)
         if cutlass.const_expr(self.mask_mod is not None):
             if partial:
-                if cutlass.const_expr(early_mask):
+                if cutlass.const_expr(words is not None):
+                    apply_fragment_bits(acc_S, words)
+                elif cutlass.const_expr(early_mask):
                     apply_mask_bits(acc_S, keep_bits)
                 else:
                     apply_mask_mod(acc_S, coords, self.mask_mod, batch, head, q_start, kv_start, q_last, kv_last,

@@ -59,6 +59,10 @@ D64_DENSE_CLUSTER_M = 2
 # and soft-cap B4 S4k 0.98-1.00x (16.5), documents B1 S16k 0.98x (17.3, within the baseline's own spread); causal
 # B1 S16k 0.98x (64.5), alibi B1 S16k 0.94x. Dense D=64 keeps its K/V multicast clusters instead. 0 turns it off.
 DYNAMIC_MAX_MEAN_KV_BLOCKS = 20
+# Block-sparse masks whose mask_mod reads captured tensors (document ids, spans): partial blocks test bits the
+# launcher stored once per mask (`FwdConfig.mask_bits`, `runtime.mask_bits`) instead of evaluating mask_mod, whose
+# gathers made a document mask's partial-block step 778 SASS instructions against 549 with bits (454 for a full one).
+STORE_MASK_BITS = True
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,10 @@ class FwdConfig:
     # 2026-11-30: 0.98x on the document rows, 1.01-1.02x on sliding windows
     # (benchmarks/results/mask_early_h200_2026-11-30.json); with 192-row tiles (160 registers per thread) it spills.
     mask_early: bool = False
+    # Block-sparse only: partial blocks read their mask from bits stored by the launcher (`runtime.mask_bits`, passed
+    # after the four block lists) instead of evaluating mask_mod; the launcher's choice for masks that read captured
+    # tensors (`runtime.launch.stores_mask_bits`).
+    mask_bits: bool = False
     # Dense grids only: two CTAs with neighbouring Q tiles of one head form a cluster, and each loads half of every
     # K/V block and multicasts it to both, halving K/V traffic from L2. Nsight, dense B4 S4k: our kernel moved 4.1 GB
     # through L2 against FA4's 2.2 GB, whose dense path does this. Default at D=64 only (`D64_DENSE_CLUSTER_M`).
@@ -159,6 +167,9 @@ class FwdConfig:
         if self.cluster_m > 1 and (self.persistent_ctas or "kv_loads" in self.ablate):
             return "cluster_m=2 pairs Q tiles of one head per launch; it does not combine with persistent_ctas or " \
                    "the kv_loads ablation"
+        if self.mask_bits and (self.tile_n != 128 or self.mask_early):
+            return "mask_bits=True stores 128 columns per block row and replaces mask_early: it needs tile_n=128 " \
+                   "and mask_early=False"
         if self.dynamic_tiles and not self.persistent_ctas:
             return "dynamic_tiles=True hands tiles to persistent CTAs: it needs persistent_ctas > 0"
         if self.persistent_ctas < 0:

@@ -45,7 +45,8 @@ from cutlass.tensor_utils import LayoutEnum
 from .block_sparse import KvSchedule
 from .config import TILE_SLOT_WORDS, TILE_SLOTS, FwdConfig
 from .layout import as_operand_a, bshd_view, convert_to_16bit, rows_view, tma_tiles, transpose_smem
-from .mask import apply_mask_bits, apply_mask_mod, mask_kv_tail, mask_mod_bits
+from .mask import (FRAGMENT_ROWS, apply_fragment_bits, apply_mask_bits, apply_mask_mod, load_fragment_bits,
+                   mask_kv_tail, mask_mod_bits)
 from .named_barrier import FwdBarrier
 from .score_mod import apply_score_mod
 from .softmax import OnlineSoftmax, rescale_rows
@@ -89,6 +90,7 @@ class FlexFwdSm90:
         self.dynamic = cfg.dynamic_tiles
         self.separate_o = cfg.separate_o
         self.cluster_m = cfg.cluster_m
+        self.mask_bits = cfg.mask_bits
         self.ablate = frozenset(cfg.ablate)
 
     def ablated(self, stage: str) -> bool:
@@ -173,6 +175,10 @@ class FlexFwdSm90:
                tile_counter, aux_tensors, aux_scalars, sQ_layout: cute.ComposedLayout,
                sKV_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, Storage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        bits = None  # `mask_bits`: partial-block masks stored as bits, passed after the four block lists
+        if cutlass.const_expr(self.mask_bits):
+            bits = sparse[4]
+            sparse = (sparse[0], sparse[1], sparse[2], sparse[3])
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_o):
                 cpasync.prefetch_descriptor(atom)
@@ -240,7 +246,7 @@ class FlexFwdSm90:
             tidx = cute.arch.thread_idx()[0] - 128
             self.consume(mQ, mO, mLSE, sQ, sO, sK, transpose_smem(sV), tma_o, tiled_mma_qk, tiled_mma_pv,
                          pipe_q, pipe_k, pipe_v, tidx, warp_idx, tiles, sparse, order, num_kv_blocks, first, seqlen_k,
-                         softmax_scale, log2_scale, aux_tensors, aux_scalars, handoff)
+                         softmax_scale, log2_scale, aux_tensors, aux_scalars, handoff, bits)
 
     # ------------------------------------------------------------------ producer
     @cute.jit
@@ -358,7 +364,7 @@ class FlexFwdSm90:
     def consume(self, mQ, mO, mLSE, sQ, sO, sK, sVt, tma_o, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
                 pipe_q, pipe_k, pipe_v, tidx: Int32, warp_idx: Int32, tiles, sparse, order, num_kv_blocks: Int32,
                 first, seqlen_k: Int32, softmax_scale: Float32, log2_scale: Float32, aux_tensors, aux_scalars,
-                handoff):
+                handoff, bits):
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         wg_mma_qk = tiled_mma_qk.get_slice(wg * 128)
@@ -373,6 +379,9 @@ class FlexFwdSm90:
         num_rows = cute.size(rows_view(acc_O), mode=[0])
         softmax = OnlineSoftmax(log2_scale, num_rows, self.cfg.exp2_poly, not self.ablated("exp2"))
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
+        stored = None  # (bits, this thread's first accumulator row, its word of a stored row = lane % 4)
+        if cutlass.const_expr(bits is not None):
+            stored = (bits, coords[0][0], coords[0][1] // 2)
 
         if cutlass.const_expr(self.pingpong):
             if wg == 0:  # the first consumer warpgroup goes first (the token carries over from tile to tile)
@@ -382,7 +391,7 @@ class FlexFwdSm90:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         args = (mQ, mO, mLSE, sO, tma_o, tiled_mma_qk, tiled_mma_pv, frags, acc_O, s_shape, coords, softmax,
                 row_scale, pipe_q, pipe_k, pipe_v, tidx, warp_idx, wg, seqlen_k, softmax_scale, aux_tensors,
-                aux_scalars)
+                aux_scalars, stored)
         if cutlass.const_expr(self.dynamic):
             pipe_tile, slots = handoff
             slot = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, TILE_SLOTS)
@@ -412,7 +421,7 @@ class FlexFwdSm90:
     def consume_tile(self, mQ, mO, mLSE, sO, tma_o, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, frags,
                      acc_O, s_shape, coords, softmax: OnlineSoftmax, row_scale, pipe_q, pipe_k, pipe_v, tidx: Int32,
                      warp_idx: Int32, wg: Int32, seqlen_k: Int32, softmax_scale: Float32, aux_tensors, aux_scalars,
-                     m_block: Int32, head: Int32, batch: Int32, sched: KvSchedule, q_state, state):
+                     stored, m_block: Int32, head: Int32, batch: Int32, sched: KvSchedule, q_state, state):
         """One Q tile: the KV mainloop, then normalisation and the epilogue. Returns the advanced pipeline states."""
         tSrQ, tSrK, tOrVt, tOrP = frags
         softmax.reset()
@@ -421,6 +430,8 @@ class FlexFwdSm90:
         q_start = m_block * self.tile_m
         q_last, kv_last = seqlen_q - 1, seqlen_k - 1
         mods = (batch, head, q_start, q_last, kv_last, softmax_scale, aux_tensors, aux_scalars)
+        if cutlass.const_expr(stored is not None):  # now also this tile's batch, head and Q tile
+            stored = (*stored, batch, head, m_block)
 
         pipe_q.consumer_wait(q_state)
         total = sched.total
@@ -428,6 +439,7 @@ class FlexFwdSm90:
         if total > 0:
             # First block: S only (its PV happens in the next step).
             acc_S = cute.make_rmem_tensor(s_shape, Float32)
+            words = self.stored_words(stored, Int32(0), True)
             pipe_k.consumer_wait(state)
             wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], True, 0)
             pipe_k.consumer_release(state)
@@ -437,7 +449,7 @@ class FlexFwdSm90:
             # inside the loops ptxas turned the test into a second pass of selects on every block.
             n_block = sched.block(0)
             if num_partial > 0:
-                self.mod_scores(acc_S, coords, n_block, seqlen_k, mods, True, True)
+                self.mod_scores(acc_S, coords, n_block, seqlen_k, mods, True, True, words)
             else:
                 self.mod_scores(acc_S, coords, n_block, seqlen_k, mods, False, True)
             if cutlass.const_expr(not self.ablated("softmax")):
@@ -447,11 +459,11 @@ class FlexFwdSm90:
             for i in cutlass.range(1, num_partial, unroll=1):
                 state = self.overlapped_step(i, state, sched, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt,
                                              tOrP, acc_O, s_shape, coords, softmax, row_scale, pipe_k, pipe_v,
-                                             wg, seqlen_k, mods, True)
+                                             wg, seqlen_k, mods, True, stored)
             for i in cutlass.range(cutlass.max(num_partial, 1), total, unroll=1):
                 state = self.overlapped_step(i, state, sched, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt,
                                              tOrP, acc_O, s_shape, coords, softmax, row_scale, pipe_k, pipe_v,
-                                             wg, seqlen_k, mods, False)
+                                             wg, seqlen_k, mods, False, None)
             self.release_q_after_mainloop(pipe_q, q_state)
             # Last block: PV only.
             pipe_v.consumer_wait(state)
@@ -480,7 +492,7 @@ class FlexFwdSm90:
     @cute.jit
     def overlapped_step(self, i: Int32, state, sched: KvSchedule, tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt,
                         tOrP, acc_O, s_shape, coords, softmax: OnlineSoftmax, row_scale, pipe_k, pipe_v, wg: Int32,
-                        seqlen_k: Int32, mods, use_mask_mod: cutlass.Constexpr[bool]):
+                        seqlen_k: Int32, mods, use_mask_mod: cutlass.Constexpr[bool], stored):
         """S_i = Q K_i^T and O += P_{i-1} V_{i-1} issued back to back; softmax(S_i) overlaps the PV GEMM. Never the
         ragged last KV block (that one is step 0), so no key-tail mask."""
         no_pv = self.ablated("pv")
@@ -503,6 +515,7 @@ class FlexFwdSm90:
         if cutlass.const_expr(not no_pv):
             wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, prev.index], False, 0 if serial else -1)
         self.pass_turn(wg)
+        words = self.stored_words(stored, i, use_mask_mod)
         keep_bits = None
         if cutlass.const_expr(early_mask):
             keep_bits = cute.make_rmem_tensor(-(-cute.size(acc_S) // 32), cutlass.Uint32)
@@ -513,7 +526,7 @@ class FlexFwdSm90:
         pipe_k.consumer_release(state)
         if cutlass.const_expr(not (self.cfg.early_block_index or early_mask)):
             n_block = sched.block_of_kind(i, use_mask_mod)
-        self.mod_scores(acc_S, coords, n_block, seqlen_k, mods, use_mask_mod and not early_mask, False)
+        self.mod_scores(acc_S, coords, n_block, seqlen_k, mods, use_mask_mod and not early_mask, False, words)
         if cutlass.const_expr(early_mask):
             apply_mask_bits(acc_S, keep_bits)
         if cutlass.const_expr(with_softmax):
@@ -525,16 +538,29 @@ class FlexFwdSm90:
             rescale_rows(acc_O, row_scale)
         return state
 
+    def stored_words(self, stored, position: Int32, partial: cutlass.Constexpr[bool]):
+        """With `mask_bits`, this thread's words of partial block `position` (a trace-time helper; `partial`:
+        the step is a partial block's), else None. Step 0 loads them whatever its block (position 0 always exists)."""
+        if cutlass.const_expr(stored is None or not partial or self.ablated("mask_mod")):
+            return None
+        bits, row, word, batch, head, m_block = stored
+        words = cute.make_rmem_tensor(FRAGMENT_ROWS, cutlass.Uint32)
+        load_fragment_bits(words, bits, batch, head, m_block, position, row, word)
+        return words
+
     @cute.jit
     def mod_scores(self, acc_S, coords, n_block: Int32, seqlen_k: Int32, mods,
-                   use_mask_mod: cutlass.Constexpr[bool], mask_tail: cutlass.Constexpr[bool]):
-        """score_mod, then mask_mod (partial blocks only), then the key-tail mask (`mask_tail`: step 0 only)."""
+                   use_mask_mod: cutlass.Constexpr[bool], mask_tail: cutlass.Constexpr[bool], words=None):
+        """score_mod, then mask_mod (partial blocks only; from the stored `words` with `mask_bits`), then the
+        key-tail mask (`mask_tail`: step 0 only)."""
         batch, head, q_start, q_last, kv_last, softmax_scale, aux_tensors, aux_scalars = mods
         kv_start = n_block * self.tile_n
         if cutlass.const_expr(self.score_mod is not None and not self.ablated("score_mod")):
             apply_score_mod(acc_S, coords, self.score_mod, softmax_scale, batch, head, q_start, kv_start, q_last,
                             kv_last, self.clamp_indices, aux_tensors, aux_scalars)
-        if cutlass.const_expr(use_mask_mod and self.mask_mod is not None and not self.ablated("mask_mod")):
+        if cutlass.const_expr(use_mask_mod and words is not None):
+            apply_fragment_bits(acc_S, words)
+        elif cutlass.const_expr(use_mask_mod and self.mask_mod is not None and not self.ablated("mask_mod")):
             apply_mask_mod(acc_S, coords, self.mask_mod, batch, head, q_start, kv_start, q_last, kv_last,
                            self.clamp_indices, aux_tensors, aux_scalars)
         if cutlass.const_expr(mask_tail):

@@ -85,3 +85,45 @@ def apply_mask_bits(acc_s: cute.Tensor, bits: cute.Tensor):
     for i in cutlass.range_constexpr(cute.size(acc_s)):
         keep = (bits[i // 32] & Uint32(1 << (i % 32))) != Uint32(0)
         acc_s[i] = acc_s[i] if keep else -Float32.inf
+
+
+# ---------------------------------------------------------------------------- partial-block masks stored as bits
+# (`flexlab.runtime.mask_bits` builds them.) A Hopper m64nN accumulator gives a thread the scores of two rows,
+# `row` and `row + 8`, columns 8 j + 2 t + e (t = lane % 4, e = 0/1), as element e + 2 h + 4 j of its fragment
+# (h = 0/1 for the two rows). The stored row keeps those 32 columns in word t, column 8 j + 2 t + e at bit 2 j + e.
+FRAGMENT_ROWS = 2
+
+
+@cute.jit
+def load_fragment_bits(words: cute.Tensor, bits: cute.Tensor, batch: Int32, head: Int32, outer: Int32,
+                       position: Int32, row: Int32, word: Int32):
+    """This thread's two words (into `words`, FRAGMENT_ROWS Uint32 registers) of stored block `position` of tile
+    `outer`: rows `row` and `row + 8`, word `word` (= lane % 4). Issued before the S GEMM is waited for, so the
+    loads' latency hides behind it."""
+    b = batch % bits.shape[0]
+    h = head % bits.shape[1]
+    for r in cutlass.range_constexpr(FRAGMENT_ROWS):
+        words[r] = Uint32(bits[b, h, outer, position, row + 8 * r, word])
+
+
+@cute.jit
+def apply_fragment_bits(acc_s: cute.Tensor, words: cute.Tensor):
+    """-inf where the stored mask has a 0 bit; element e + 2 h + 4 j tests bit 2 j + e of word h."""
+    n = cute.size(acc_s)
+    if cutlass.const_expr(n not in (32, 64)):
+        raise ValueError(f"stored mask bits cover one m64n64 or m64n128 accumulator fragment per thread (32 or 64 "
+                         f"scores), got {n}")
+    for i in cutlass.range_constexpr(n):
+        e, h, j = i % 2, (i // 2) % 2, i // 4
+        acc_s[i] = keep_bit_or_neg_inf(words[h], 1 << (2 * j + e), acc_s[i])
+
+
+@dsl_user_op
+def keep_bit_or_neg_inf(word: Uint32, bit: cutlass.Constexpr[int], score: Float32, *, loc=None, ip=None) -> Float32:
+    """`score` where `word & bit` is set, else -inf. Written as and + setp + selp so ptxas makes one predicate-
+    writing LOP3 and one FSEL per score; the same test in LLVM IR became a shift, an AND and the select."""
+    return Float32(llvm.inline_asm(
+        T.f32(), [Float32(score).ir_value(loc=loc, ip=ip), Uint32(word).ir_value(loc=loc, ip=ip)],
+        "{\n.reg .pred p;\n.reg .b32 t;\nand.b32 t, $2, " + str(int(bit)) + ";\nsetp.ne.u32 p, t, 0;\n"
+        "selp.f32 $0, $1, 0fFF800000, p;\n}",
+        "=f,f,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))

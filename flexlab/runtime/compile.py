@@ -97,6 +97,10 @@ def fake_arguments(key: CompileKey):
     if key.block_sparse:
         sparse = (compact(cutlass.Int32, 3), compact(cutlass.Int32, 4), compact(cutlass.Int32, 3),
                   compact(cutlass.Int32, 4))
+        if key.config.mask_bits:  # (B, H, Q tiles, partial blocks, tile_m rows, 4 words): `runtime.mask_bits`
+            shape = (*(cute.sym_int32() for _ in range(4)), key.config.tile_m, 4)
+            sparse += (make_fake_compact_tensor(cutlass.Int32, shape, stride_order=(5, 4, 3, 2, 1, 0),
+                                                assumed_align=16),)
     order = compact(cutlass.Int32, 1) if key.tile_order else None
     tile_counter = compact(cutlass.Int32, 1) if key.config.dynamic_tiles else None
     aux_tensors = tuple(fake_captured_tensor(name, ndim, unit_stride_any_rank=False)

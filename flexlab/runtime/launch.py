@@ -147,31 +147,52 @@ def _to_cute(t, align: int | None = None):
 _NO_MODS = KernelMods()
 
 
+def _stored_bits(q: torch.Tensor, kbm, cfg: FwdConfig, seqlen_k: int, stored_masks):
+    """The partial-block bits of `kbm` for a kernel with `cfg`'s tiles (`runtime.mask_bits`), or None where none
+    are stored (no store given, tiles the bit layout does not cover, or too large)."""
+    if stored_masks is None or kbm is None or cfg.tile_n != 128:
+        return None
+    B, Hq, Sq, _ = q.shape
+    return stored_masks.bits(kbm, kbm.kv_num, kbm.kv_idx, B, Hq, True, cfg.tile_m, Sq, seqlen_k)
+
+
 def _plan(q: torch.Tensor, k: torch.Tensor, mods: KernelMods, block_mask, config: FwdConfig | None, arch: str,
-          writes_lse: bool = True):
-    """(compiled function, key, sparse lists or None, launch order or None) for these inputs."""
+          writes_lse: bool = True, stored_masks=None):
+    """(compiled function, key, sparse arguments or None, launch order or None) for these inputs. The sparse
+    arguments are the kernel's four block lists, followed by the stored partial-block bits where the kernel reads
+    them (`FwdConfig.mask_bits`; an explicit `config` decides that itself)."""
     D, Skv = q.shape[3], k.shape[2]
     sparse = block_mask is not None
     if config is not None:
         fn, key = _compiled(mods, q.dtype, config, arch, sparse, writes_lse)
         kbm = kernel_block_mask(block_mask, q.shape[2], config.tile_m, config.tile_n, Skv) if sparse else None
-        return fn, key, kbm.as_args() if sparse else None, kbm.order if sparse else None
+        args = kbm.as_args() if sparse else None
+        if config.mask_bits:
+            bits = _stored_bits(q, kbm, config, Skv, stored_masks)
+            if bits is None:
+                raise ValueError("FwdConfig.mask_bits=True needs a block mask and stored mask bits (stored_masks=)")
+            args = args + (bits,)
+        return fn, key, args, kbm.order if sparse else None
     # Everything the default configuration depends on; the policy terms are constants unless a knob is set.
     stages = d128_stages(Skv) if D == 128 else 0
     fast = (mods, q.dtype, D, sparse, arch, stages, writes_lse)
     plans = _PLANS.get(fast)
     if plans is None:
         plans = _PLANS[fast] = (config_for(D, sparse, mods, Skv), {})
-    base, compiled = plans  # compiled: SM count of the dynamic kernel (0: one CTA per tile) -> (fn, key)
+    base, compiled = plans  # compiled: (SM count of the dynamic kernel or 0, reads bits) -> (fn, key)
     kbm = kernel_block_mask(block_mask, q.shape[2], base.tile_m, base.tile_n, Skv) if sparse else None
     mean = kbm.mean_kv_blocks if sparse else dense_mean_kv_blocks(base, Skv)
     num_sms = _sm_count(q.device) if runs_dynamic(base, mean) else 0
-    hit = compiled.get(num_sms)
+    bits = _stored_bits(q, kbm, base, Skv, stored_masks)
+    hit = compiled.get((num_sms, bits is not None))
     if hit is None:
         cfg = _dynamic(base, num_sms) if num_sms else base
-        hit = compiled[num_sms] = _compiled(mods, q.dtype, cfg, arch, sparse, writes_lse)
+        if bits is not None:
+            cfg = dataclasses.replace(cfg, mask_bits=True)
+        hit = compiled[(num_sms, bits is not None)] = _compiled(mods, q.dtype, cfg, arch, sparse, writes_lse)
     fn, key = hit
-    return fn, key, kbm.as_args() if sparse else None, kbm.order if sparse else None
+    args = None if kbm is None else kbm.as_args() if bits is None else kbm.as_args() + (bits,)
+    return fn, key, args, kbm.order if sparse else None
 
 
 def _launch_constants(q: torch.Tensor, k: torch.Tensor, block_mask) -> tuple[float, int, int]:
@@ -183,12 +204,14 @@ def _launch_constants(q: torch.Tensor, k: torch.Tensor, block_mask) -> tuple[flo
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: KernelMods = _NO_MODS,
             aux_tensors: tuple = (), aux_scalars: tuple = (), block_mask=None, scale: float | None = None,
-            config: FwdConfig | None = None, arch: str = "sm_90a", with_lse: bool = True):
+            config: FwdConfig | None = None, arch: str = "sm_90a", with_lse: bool = True, stored_masks=None):
     """Run the Hopper forward kernel: (out, lse); lse is None with `with_lse=False` (a kernel that never writes it).
     q (B, Hq, Sq, D), k/v (B, Hkv, Skv, D) on one CUDA device, bf16/fp16; `aux_tensors` as
-    `GeneratedMods.kernel_aux_tensors` gives them (row-major: the kernel's call refuses other strides)."""
+    `GeneratedMods.kernel_aux_tensors` gives them (row-major: the kernel's call refuses other strides).
+    `stored_masks` (`runtime.mask_bits.StoredMasks` of the block mask's mask_mod): partial blocks then read stored
+    bits instead of evaluating mask_mod."""
     B, Hq, Sq, D = q.shape
-    fn, key, sparse, order = _plan(q, k, mods, block_mask, config, arch, with_lse)
+    fn, key, sparse, order = _plan(q, k, mods, block_mask, config, arch, with_lse, stored_masks)
     q, k, v = tma_ready(q), tma_ready(k), tma_ready(v)
     out = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device) if with_lse else None
@@ -233,12 +256,13 @@ class BoundForward:
 
 
 def bind(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: KernelMods = _NO_MODS, aux_tensors: tuple = (),
-         aux_scalars: tuple = (), block_mask=None, with_lse: bool = True, arch: str = "sm_90a") -> BoundForward | None:
+         aux_scalars: tuple = (), block_mask=None, with_lse: bool = True, arch: str = "sm_90a",
+         stored_masks=None) -> BoundForward | None:
     """The default-configuration launch of `forward` for tensors shaped, strided and placed like these, or None
     where it cannot be bound (strides TMA cannot read as they are; no TVM-FFI, so arguments convert per call)."""
     if not (_strides_ready(q) and _strides_ready(k) and _strides_ready(v)):
         return None
-    fn, key, sparse, order = _plan(q, k, mods, block_mask, None, arch, with_lse)
+    fn, key, sparse, order = _plan(q, k, mods, block_mask, None, arch, with_lse, stored_masks)
     if not key.tvm_ffi:
         return None
     B, Hq, Sq, D = q.shape

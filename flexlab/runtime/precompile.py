@@ -36,16 +36,21 @@ def _build_mods(name):
 def forward_keys(score_mod, mask_mod, head_dim: int, dtype, seqlens, num_sms: int) -> tuple:
     """(the `KernelMods`, the forward `CompileKey`s the launcher would use for them at these key lengths, training and
     inference forms), for a GPU of `num_sms` SMs; the mask is taken to come as a BlockMask, as callers pass it."""
-    from ..backends.cute import kernel_mods
+    import dataclasses
+
+    from ..backends.cute import kernel_mods, stores_mask_bits
     from .launch import compile_key, config_for
     mods = kernel_mods(score_mod, mask_mod)
     sparse = mods.mask_mod is not None
+    bits = sparse and stores_mask_bits(score_mod, mask_mod)
     keys = []
     for seqlen in seqlens:
         # Under a block mask the launcher picks the tile scheduler from the mask's density, unknown here: plan both.
         means = (None, 0) if sparse else (None,)
         for mean in means:
             cfg = config_for(head_dim, sparse, mods, seqlen, num_sms, mean)
+            if bits and cfg.tile_n == 128:  # the launcher's stored partial-block bits (`launch._stored_bits`)
+                cfg = dataclasses.replace(cfg, mask_bits=True)
             for writes_lse in (True, False):
                 key = compile_key(mods, dtype, cfg, "sm_90a", sparse, writes_lse)
                 if key not in keys:
@@ -76,7 +81,8 @@ def _one(job: tuple) -> tuple[str, float, str]:
             mask = mask_mod if mods.mask_mod is not None else None  # torch's noop mask counts as none
             entry = _ops.mod_entry(_ops.register_mods(score_mod, mask))  # the autograd path's generated mods
             # (a mask comes as a BlockMask at torch's default block size)
-            backward_kernels(entry.generated, entry.grad_slots, dtype, head_dim, 128 if mask is not None else None)
+            backward_kernels(entry.generated, entry.grad_slots, dtype, head_dim, 128 if mask is not None else None,
+                             mask_bits=entry.stored_masks is not None)
             label += " + backward"
         return label + ")", time.perf_counter() - t0, ""
     except Exception as e:  # noqa: BLE001  (reported per job; one bad variant must not stop the others)

@@ -46,13 +46,16 @@ def main(argv=None) -> int:
                     help="a name from bwd_config.candidate_bwd_configs (run for every head dim and both modes), to "
                          "tell which option a sanitizer report comes with")
     ap.add_argument("--no-gallery", action="store_true", help="only the dense, GQA and causal-window cases")
+    ap.add_argument("--variants", default="", help="comma-separated gallery variants only (default: all), each "
+                    "at D=64 and 128; with --no-basic, nothing else")
+    ap.add_argument("--no-basic", action="store_true", help="skip the dense, GQA and causal-window cases")
     args = ap.parse_args(argv)
     if args.config != "default":
         from flexlab.kernels import bwd_launch
         from flexlab.kernels.bwd_config import candidate_bwd_configs
         bwd_launch._config = lambda head_dim, deterministic: candidate_bwd_configs(head_dim,
                                                                                   deterministic)[args.config]
-    for D in (64, 128):
+    for D in (() if args.no_basic else (64, 128)):
         _run(200, 333, D, 2)
         _run(333, 200, D, 4, with_lse=True)
         _run(1, 1, D, 1)
@@ -64,15 +67,17 @@ def main(argv=None) -> int:
         print(f"ran dense/GQA/causal-window D={D}", flush=True)
     if args.no_gallery:
         return 0
+    wanted = [w for w in args.variants.split(",") if w]
     for name, variant in sorted(load_gallery().items()):
         S = next((s for s in (200, 256, 333) if variant.accepts_lengths(s, s)), None)
-        if S is None:
+        if S is None or (wanted and name not in wanted):
             continue
-        mods = variant.build(1, 4, S, S, device="cuda")
-        trainable = [mods.tensors[t].requires_grad_(True) for t in variant.trainable]
-        bm = flexlab.create_block_mask(mods.mask_mod, 1, 4, S, S, device="cuda") if mods.mask_mod else None
-        _run(S, S, 128, 2, mods.score_mod, bm, trainable)
-        print(f"ran {name} S={S}", flush=True)
+        for D in ((64, 128) if wanted else (128,)):
+            mods = variant.build(1, 4, S, S, device="cuda")
+            trainable = [mods.tensors[t].requires_grad_(True) for t in variant.trainable]
+            bm = flexlab.create_block_mask(mods.mask_mod, 1, 4, S, S, device="cuda") if mods.mask_mod else None
+            _run(S, S, D, 2, mods.score_mod, bm, trainable)
+            print(f"ran {name} S={S} D={D}", flush=True)
     return 0
 
 

@@ -113,6 +113,15 @@ def variants_for(row, base, num_sms: int) -> list[Variant]:
         cand.append(Variant("stages3", "candidate", rep(base, num_stages=3), "3 K/V stages"))
         cand.append(Variant("persistent+stages3", "candidate", rep(base, num_stages=3, persistent_ctas=num_sms),
                             "persistent with 3 K/V stages (O over Q)"))
+    if base.mask_bits:
+        cand.append(Variant("mask_mod_inline", "candidate", rep(base, mask_bits=False),
+                            "partial blocks evaluate mask_mod instead of reading stored bits"))
+        if row.D == 64:
+            t192 = FwdConfig(head_dim=64, tile_m=192, tile_n=128, num_stages=3, mask_bits=True)
+            cand.append(Variant("tile192+bits", "candidate", t192, "192-row tiles reading stored bits"))
+            cand.append(Variant("tile192+bits+dynamic", "candidate",
+                                rep(t192, persistent_ctas=num_sms, dynamic_tiles=True),
+                                "192-row tiles reading stored bits, dynamic tiles"))
     if row.D == 64 and has_mask and not has_score:
         t192 = FwdConfig(head_dim=64, tile_m=192, tile_n=128, num_stages=3)
         cand.append(Variant("tile192", "candidate", t192, "192-row tiles over the 128-block mask (merged rows)"))
@@ -142,7 +151,7 @@ def variants_for(row, base, num_sms: int) -> list[Variant]:
         cand.append(Variant("early_block_index", "candidate", rep(base, early_block_index=True),
                             "KV block index read before the K wait"))
     if has_mask:
-        cand.append(Variant("mask_early", "candidate", rep(base, mask_early=True),
+        cand.append(Variant("mask_early", "candidate", rep(base, mask_early=True, mask_bits=False),
                             "partial blocks: mask_mod into bit masks while the QK GEMM runs"))
     combo = dict(persistent_ctas=num_sms, cluster_m=1, rescale_before_pv=True, early_block_index=has_mask,
                  exp2_poly=2 if row.D == 64 else 0)
@@ -197,10 +206,18 @@ def _mean_kv_blocks(row, mods) -> float | None:
     return _MEANS[row.name]
 
 
-def _variant(row, name: str, mods, num_sms: int) -> Variant:
+def _launcher_config(row, mods, lowered, num_sms: int):
+    """The configuration flexlab runs for the row: `launch.config_for`, reading stored partial-block bits where the
+    launcher stores them (`launch._stored_bits`)."""
     from flexlab.runtime import launch
-    base = launch.config_for(row.D, mods.mask_mod is not None, mods, row.S, num_sms,
-                             _mean_kv_blocks(row, mods))  # what flexlab runs
+    base = launch.config_for(row.D, mods.mask_mod is not None, mods, row.S, num_sms, _mean_kv_blocks(row, mods))
+    if lowered is not None and lowered.stored_masks is not None and base.tile_n == 128:
+        base = dataclasses.replace(base, mask_bits=True)
+    return base
+
+
+def _variant(row, name: str, mods, num_sms: int, lowered) -> Variant:
+    base = _launcher_config(row, mods, lowered, num_sms)  # what flexlab runs
     for v in variants_for(row, base, num_sms):
         if v.name == name:
             return v
@@ -222,8 +239,8 @@ def compile_worker(job_file: str, index: int, count: int):
         _emit("start", name=label)
         t0 = time.perf_counter()
         try:
-            _, mods, _ = _case_and_mods(row, "cpu")
-            v = _variant(row, name, mods, num_sms)
+            _, mods, lowered = _case_and_mods(row, "cpu")
+            v = _variant(row, name, mods, num_sms, lowered)
             key = launch.compile_key(mods, torch.bfloat16, v.config, "sm_90a", mods.mask_mod is not None)
             forward_kernel(key, mods)
             _emit("done", name=label, status="ok", seconds=round(time.perf_counter() - t0, 2),
@@ -275,6 +292,8 @@ def direct_call(state: RowState, fn, key, heads_group: int = 0):
     if state.block_mask is not None:
         kbm = kernel_block_mask(state.block_mask, S, cfg.tile_m, cfg.tile_n, S)
         sparse, order = kbm.as_args(), kbm.order
+        if cfg.mask_bits:  # stored once per mask, as the launcher does (`launch._stored_bits`)
+            sparse += (state.lowered.stored_masks.bits(kbm, kbm.kv_num, kbm.kv_idx, B, H, True, cfg.tile_m, S, S),)
     out = torch.empty_like(q)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
     group = heads_group or heads_per_group(S, D, 2, 1, B * H, state.block_mask is not None)
@@ -424,7 +443,7 @@ def child(job_file: str, args):
                 state.reference()  # float64, before any kernel of the row runs (and outside the run timeout)
                 _emit("row", row=row.name, density=state.density, flops=state.flops,
                       setup_s=round(time.perf_counter() - t0, 2))
-            rec = run_variant(state, _variant(row, name, state.mods, num_sms), args)
+            rec = run_variant(state, _variant(row, name, state.mods, num_sms, state.lowered), args)
         except Exception as e:  # noqa: BLE001 - report, and leave if the CUDA context is gone
             fatal = _is_cuda_fatal(e)
             _emit("done", name=job, row=row.name, variant=name, status="error",
@@ -774,9 +793,8 @@ def _variant_names(row, num_sms: int, selftest: bool = False) -> list[str]:
         from flexlab.kernels.config import default_config
         has_score, has_mask = row_mods_kind(row.variant)
         return [v.name for v in variants_for(row, default_config(row.D, has_mask, has_score), num_sms)]
-    _, mods, _ = _case_and_mods(row, "cpu")
-    base = launch.config_for(row.D, mods.mask_mod is not None, mods, row.S, num_sms, _mean_kv_blocks(row, mods))
-    return [v.name for v in variants_for(row, base, num_sms)]
+    _, mods, lowered = _case_and_mods(row, "cpu")
+    return [v.name for v in variants_for(row, _launcher_config(row, mods, lowered, num_sms), num_sms)]
 
 
 def _usable_cache_dir(fallback_root: str):

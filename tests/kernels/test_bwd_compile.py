@@ -387,3 +387,32 @@ def test_gallery_backward_spills_do_not_grow(name, D):
     report = ptxas_report(compile_ptx(key_for(cfg, g, sparse, False), g))
     stores, loads = GALLERY_BWD_SPILL_CEILINGS[(name, D)]
     assert report["spill_stores"] <= stores and report["spill_loads"] <= loads, report
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_backward_reads_stored_mask_bits_without_gathers(D):
+    """Masks that read captured tensors reach the backward's partial blocks as stored bits (`BwdConfig.mask_bits`):
+    no spills, and the step loop drops the document-id gathers (20 loads per thread at D=128's 64-query steps, 36
+    at D=64's 128) for two 4-byte loads."""
+    import dataclasses
+
+    from bwd_option_report import compile_ptx, key_for
+
+    from flexlab.codegen import generate
+    from flexlab.gallery import get_variant
+    from flexlab.kernels.bwd_launch import config_for
+    from flexlab.viz.compile_report import report_from_ptx
+    mods = get_variant("document").build(B=1, H=4, Q_LEN=1024, KV_LEN=1024)
+    g = generate(mods.score_mod, mods.mask_mod, fastmath=True)
+    cfg = config_for(D, False, g, False, 128)
+    loops = {}
+    for bits in (False, True):
+        ptx = compile_ptx(key_for(dataclasses.replace(cfg, mask_bits=bits), g, True, False), g)
+        rep = report_from_ptx(ptx)
+        if rep.missing:
+            pytest.skip(f"needs {rep.missing}")
+        assert rep.spill_store_bytes == 0 and rep.spill_load_bytes == 0, (bits, rep.spill_store_bytes)
+        loops[bits] = rep.gemm_loops[0]
+    assert loops[False].get("LDG.E", 0) >= 18 and loops[True].get("LDG.E", 0) <= 4, (loops[False].get("LDG.E"),
+                                                                                      loops[True].get("LDG.E"))
+    assert sum(loops[True].values()) < sum(loops[False].values()) - 60

@@ -198,7 +198,9 @@ def test_document_mask_gathers_stay_cheap(D):
     from flexlab.runtime.compile import forward_ptx
     from flexlab.viz.compile_report import _forward_key, report_from_ptx
     mods = load_gallery()["document"].build(B=1, H=4, Q_LEN=1024, KV_LEN=1024)
-    key, kmods, _ = _forward_key(mods.score_mod, mods.mask_mod, "bfloat16", D, None, "sm_90a")
+    key, kmods, cfg = _forward_key(mods.score_mod, mods.mask_mod, "bfloat16", D, None, "sm_90a")
+    assert cfg.mask_bits  # the launcher stores this mask's partial blocks as bits: here the kernel that does not
+    key = dataclasses.replace(key, config=dataclasses.replace(cfg, mask_bits=False))
     rep = report_from_ptx(forward_ptx(key, kmods))
     if rep.missing:
         pytest.skip(f"needs {rep.missing}")
@@ -207,6 +209,38 @@ def test_document_mask_gathers_stay_cheap(D):
     assert partial.get("LEA.HI.X", 0) == 0, partial.most_common(12)  # no 64-bit address arithmetic per gather
     assert partial.get("FSEL", 0) <= 70, partial.most_common(12)  # 64 scores per thread, one select each
     assert sum(partial.values()) <= DOCUMENT_PARTIAL_STEP_BUDGET[D], (sum(partial.values()), partial.most_common(12))
+
+
+# The same step reading the mask from stored bits (`FwdConfig.mask_bits`): 549 at D=128 and 503 at D=64 when it
+# landed (454 / 402 for a full block), plus ~3%.
+STORED_BITS_PARTIAL_STEP_BUDGET = {128: 566, 64: 518}
+
+
+@pytest.mark.parametrize("D", sorted(STORED_BITS_PARTIAL_STEP_BUDGET))
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_stored_mask_bits_replace_the_gathers(D, dynamic):
+    """With the document mask stored as bits, a partial block costs each thread two 4-byte loads (its words of two
+    rows) and one predicate-setting LOP3 and one select per score: no gathers, no index clamps."""
+    from flexlab.gallery import load_gallery
+    from flexlab.runtime.compile import forward_ptx
+    from flexlab.runtime.launch import _dynamic
+    from flexlab.viz.compile_report import _forward_key, report_from_ptx
+    mods = load_gallery()["document"].build(B=1, H=4, Q_LEN=1024, KV_LEN=1024)
+    key, kmods, cfg = _forward_key(mods.score_mod, mods.mask_mod, "bfloat16", D, None, "sm_90a")
+    assert cfg.mask_bits
+    if dynamic:
+        key = dataclasses.replace(key, config=_dynamic(cfg, 132))
+    ptx = forward_ptx(key, kmods)
+    rep = report_from_ptx(ptx)
+    if rep.missing:
+        pytest.skip(f"needs {rep.missing}")
+    assert rep.spill_store_bytes == 0 and rep.spill_load_bytes == 0
+    partial = next(c for c in rep.gemm_loops if c.get("MUFU.EX2"))
+    assert partial.get("LDG.E", 0) == 2, partial.most_common(12)  # one word of each of the thread's two rows
+    assert partial.get("FSEL", 0) <= 70 and partial.get("LOP3.LUT", 0) <= 70, partial.most_common(12)
+    assert partial.get("VIMNMX.RELU", 0) == 0  # no clamped indices
+    budget = STORED_BITS_PARTIAL_STEP_BUDGET[D] + (45 if dynamic else 0)  # the persistent loop's own overhead
+    assert sum(partial.values()) <= budget, (sum(partial.values()), partial.most_common(12))
 
 
 @pytest.mark.parametrize("D,kind", [(128, "flex"), (64, "causal"), (128, "dense")])

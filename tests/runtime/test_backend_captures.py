@@ -93,11 +93,12 @@ def _run_on_fake_cuda(monkeypatch, calls, binds: list | None = None) -> list:
     seen = []
 
     def fake_forward(q, k, v, mods=None, aux_tensors=(), aux_scalars=(), block_mask=None, scale=None,
-                     with_lse=True):
+                     with_lse=True, stored_masks=None):
         seen.append(tuple(aux_scalars))
         return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32) if with_lse else None
 
-    def fake_bind(q, k, v, mods=None, aux_tensors=(), aux_scalars=(), block_mask=None, with_lse=True):
+    def fake_bind(q, k, v, mods=None, aux_tensors=(), aux_scalars=(), block_mask=None, with_lse=True,
+                  stored_masks=None):
         if binds is not None:
             binds.append(tuple(aux_scalars))
         return lambda q, k, v, scale: fake_forward(q, k, v, mods, aux_tensors, aux_scalars, block_mask, scale,

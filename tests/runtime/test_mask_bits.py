@@ -1,0 +1,120 @@
+"""Stored partial-block bits (`flexlab.runtime.mask_bits`): layout, contents and when they are stored (CPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexlab.mask.build import create_block_mask, create_mask
+from flexlab.runtime import mask_bits
+from flexlab.runtime.sparsity import kernel_block_mask
+
+
+def test_fragment_order_puts_a_threads_columns_in_one_word():
+    # column 8 j + 2 t + e -> word t, bit 2 j + e; and back
+    for col in (0, 1, 2, 7, 8, 9, 31, 64, 126, 127):
+        keep = torch.zeros(128, dtype=torch.bool)
+        keep[col] = True
+        words = mask_bits.pack_fragment_order(keep)
+        j, t, e = col // 8, (col % 8) // 2, col % 2
+        expected = torch.zeros(4, dtype=torch.int64)
+        expected[t] = 1 << (2 * j + e)
+        assert torch.equal(words.to(torch.int64) & 0xFFFFFFFF, expected), col
+    keep = torch.rand(5, 3, 128, generator=torch.Generator().manual_seed(0)) < 0.5
+    assert torch.equal(mask_bits.unpack_fragment_order(mask_bits.pack_fragment_order(keep)), keep)
+
+
+def _document(S, n, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    doc = torch.sort(torch.randint(0, n, (S,), generator=gen)).values.to(torch.int32)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+    return mask_mod
+
+
+def _head_window(S):
+    window = torch.arange(3, dtype=torch.int32) * 150 + 40
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx).abs() <= window[h]
+    return mask_mod
+
+
+@pytest.mark.parametrize("Sq,Skv", [(1000, 1000), (300, 777), (777, 300), (128, 256)])
+@pytest.mark.parametrize("case", ["document", "head_window"])
+@pytest.mark.parametrize("rows_are_q", [True, False])
+def test_stored_bits_equal_the_mask_inside_every_listed_block(Sq, Skv, case, rows_are_q):
+    mask_mod = _document(max(Sq, Skv), 7) if case == "document" else _head_window(max(Sq, Skv))
+    H = 1 if case == "document" else 3
+    bm = create_block_mask(mask_mod, None, None if case == "document" else H, Sq, Skv)
+    dense = create_mask(mask_mod, 1, H, Sq, Skv)[0]  # (H, Sq, Skv)
+    if rows_are_q:
+        kbm = kernel_block_mask(bm, Sq, 128, 128, Skv)
+        num, idx, len_rows, len_cols = kbm.kv_num, kbm.kv_idx, Sq, Skv
+    else:  # lists over KV tiles, rows = keys (a backward that computes S^T)
+        num, idx, len_rows, len_cols = bm.q_num_blocks.int(), bm.q_indices.int(), Skv, Sq
+        dense = dense.transpose(-1, -2)
+    bits = mask_bits.build(mask_mod, num, idx, batch=2, heads=H, rows_are_q=rows_are_q, tile_rows=128,
+                           len_rows=len_rows, len_cols=len_cols, varies_b=False, varies_h=case != "document")
+    assert bits.dtype == torch.int32 and bits.shape[0] == 1 and bits.shape[1] == (1 if case == "document" else H)
+    assert bits.shape[3] == max(1, int(num.max())) and bits.shape[4:] == (128, 4)
+    keep = mask_bits.unpack_fragment_order(bits)
+    checked = 0
+    for h in range(bits.shape[1]):
+        for o in range(idx.shape[2]):
+            for p in range(int(num[0, h % num.shape[1], o])):
+                n = int(idx[0, h % idx.shape[1], o, p])
+                r0, c0 = o * 128, n * 128
+                rows, cols = min(128, len_rows - r0), min(128, len_cols - c0)
+                want = dense[h, r0:r0 + rows, c0:c0 + cols]
+                assert torch.equal(keep[0, h, o, p, :rows, :cols], want), (h, o, p)
+                checked += 1
+    assert checked > 0
+
+
+def test_bits_vary_over_batch_and_head_only_where_needed():
+    def by_batch(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + b * 100
+    bm = create_block_mask(by_batch, 3, None, 512, 512)
+    kbm = kernel_block_mask(bm, 512, 128, 128, 512)
+    bits = mask_bits.build(by_batch, kbm.kv_num, kbm.kv_idx, batch=3, heads=5, rows_are_q=True, tile_rows=128,
+                           len_rows=512, len_cols=512, varies_b=True, varies_h=False)
+    assert bits.shape[:2] == (3, 1)
+    keep = mask_bits.unpack_fragment_order(bits)
+    dense = create_mask(by_batch, 3, 1, 512, 512)[:, 0]
+    for b in range(3):
+        for o in range(4):
+            for p in range(int(kbm.kv_num[b, 0, o])):
+                n = int(kbm.kv_idx[b, 0, o, p])
+                assert torch.equal(keep[b, 0, o, p], dense[b, o * 128:(o + 1) * 128, n * 128:(n + 1) * 128])
+
+
+def test_too_large_a_store_is_not_built(monkeypatch):
+    mask_mod = _document(1024, 5)
+    bm = create_block_mask(mask_mod, None, None, 1024, 1024)
+    kbm = kernel_block_mask(bm, 1024, 128, 128, 1024)
+    monkeypatch.setattr(mask_bits, "MAX_BYTES", 1024)
+    assert mask_bits.build(mask_mod, kbm.kv_num, kbm.kv_idx, batch=1, heads=1, rows_are_q=True, tile_rows=128,
+                           len_rows=1024, len_cols=1024, varies_b=False, varies_h=False) is None
+
+
+def test_stored_masks_cache_per_block_lists():
+    mask_mod = _document(512, 3)
+    store = mask_bits.StoredMasks(mask_mod, False, False)
+    bm = create_block_mask(mask_mod, None, None, 512, 512)
+    kbm = kernel_block_mask(bm, 512, 128, 128, 512)
+    a = store.bits(kbm, kbm.kv_num, kbm.kv_idx, 1, 2, True, 128, 512, 512)
+    assert store.bits(kbm, kbm.kv_num, kbm.kv_idx, 1, 2, True, 128, 512, 512) is a
+    assert store.bits(kbm, kbm.kv_num, kbm.kv_idx, 2, 2, True, 128, 512, 512) is not a
+
+
+def test_the_cute_backend_stores_bits_only_for_masks_reading_captured_tensors():
+    from flexlab.backends.cute import stores_mask_bits
+    assert stores_mask_bits(None, _document(256, 3))
+    assert stores_mask_bits(None, _head_window(256))
+    assert not stores_mask_bits(None, lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
+    table = torch.randn(64)
+
+    def bias_only(score, b, h, q_idx, kv_idx):  # a captured tensor read by the score_mod, not the mask
+        return score + table[(q_idx - kv_idx).abs() % 64]
+    assert not stores_mask_bits(bias_only, lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
