@@ -99,6 +99,10 @@ class FwdConfig:
     # after the four block lists) instead of evaluating mask_mod; the launcher's choice for masks that read captured
     # tensors (`runtime.launch.stores_mask_bits`).
     mask_bits: bool = False
+    # The K/V stage index of each overlapped step marked warp-uniform where the wgmma descriptors are formed (as the
+    # backward does): ptxas then keeps more of the descriptor arithmetic in 64-bit uniform adds. CPU compile, dense
+    # D=128 step: 481 -> 467 SASS instructions with dynamic tiles, 449 -> 452 one CTA per tile. Unmeasured on a GPU.
+    uniform_stage: bool = False
     # Dense grids only: two CTAs with neighbouring Q tiles of one head form a cluster, and each loads half of every
     # K/V block and multicasts it to both, halving K/V traffic from L2. Nsight, dense B4 S4k: our kernel moved 4.1 GB
     # through L2 against FA4's 2.2 GB, whose dense path does this. Default at D=64 only (`D64_DENSE_CLUSTER_M`).

@@ -508,12 +508,15 @@ class FlexFwdSm90:
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
         pipe_k.consumer_wait(state)
         self.wait_turn(wg)
-        wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], True, 0 if serial else -1)
+        stage, prev_stage = state.index, prev.index
+        if cutlass.const_expr(self.cfg.uniform_stage):
+            stage, prev_stage = cute.arch.make_warp_uniform(stage), cute.arch.make_warp_uniform(prev_stage)
+        wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, stage], True, 0 if serial else -1)
         if cutlass.const_expr(self.cfg.rescale_before_pv and with_softmax):
             rescale_rows(acc_O, row_scale)  # by the previous block's row scale, while the QK GEMM runs
         pipe_v.consumer_wait(prev)
         if cutlass.const_expr(not no_pv):
-            wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, prev.index], False, 0 if serial else -1)
+            wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, prev_stage], False, 0 if serial else -1)
         self.pass_turn(wg)
         words = self.stored_words(stored, i, use_mask_mod)
         keep_bits = None

@@ -143,6 +143,13 @@ def variants_for(row, base, num_sms: int) -> list[Variant]:
                             "2-CTA clusters share each K/V load (TMA multicast)"))
     elif base.cluster_m > 1:
         cand.append(Variant("no_cluster", "candidate", rep(base, cluster_m=1), "every CTA loads its own K/V"))
+    cand.append(Variant("uniform_stage", "candidate", rep(base, uniform_stage=True),
+                        "the stage index marked warp-uniform at the GEMM descriptors"))
+    if not base.dynamic_tiles:
+        cand.append(Variant("dynamic+uniform_stage", "candidate",
+                            rep(base, persistent_ctas=base.persistent_ctas or num_sms, cluster_m=1,
+                                dynamic_tiles=True, uniform_stage=True),
+                            "dynamic tiles with the stage index marked warp-uniform"))
     cand += [Variant("exp2_poly2", "candidate", rep(base, exp2_poly=2), "2 of 8 exponentials on the FMA pipe"),
              Variant("exp2_poly4", "candidate", rep(base, exp2_poly=4), "4 of 8 exponentials on the FMA pipe"),
              Variant("rescale_before_pv", "candidate", rep(base, rescale_before_pv=True),
