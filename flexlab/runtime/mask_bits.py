@@ -31,6 +31,7 @@ MAX_BYTES = 256 << 20
 # Scores evaluated per torch call while building (int64 temporaries: a few tens of MiB per chunk)
 CHUNK_ELEMENTS = 1 << 22
 _CACHE_ENTRIES = 16
+MAX_CACHED_BYTES = 512 << 20  # per mask_mod, over all its entries (the newest is kept whatever its size)
 
 
 def stored_shape(num: torch.Tensor, idx: torch.Tensor, batch: int, heads: int, tile_rows: int,
@@ -127,30 +128,34 @@ def store_for(generated, mask_mod, watch: tuple = ()) -> "StoredMasks | None":
 
 
 class StoredMasks:
-    """The stored bits of one mask_mod (with the captured values it was generated for), per block mask and kernel
-    tile shape. Owned by the object that holds those captured values (the cute backend's lowered mods), which is
-    replaced when any of them changes, so an entry here is never stale."""
+    """The stored bits of one mask_mod, per block lists and kernel tile shape. One entry per (block lists, shape):
+    an in-place edit of a captured tensor the mask reads (its version counter moves) rebuilds that entry instead of
+    adding one, and the entries together stay under `MAX_CACHED_BYTES`."""
 
     def __init__(self, mask_mod, varies_b: bool, varies_h: bool, watch: tuple = ()):
         self.mask_mod = mask_mod
         self.varies_b, self.varies_h = varies_b, varies_h
-        self.watch = tuple(watch)  # the captured tensors the mask reads: their in-place versions are in every key
-        self._cache: OrderedDict = OrderedDict()
+        self.watch = tuple(watch)  # the captured tensors the mask reads: their in-place versions date each entry
+        self._cache: OrderedDict = OrderedDict()  # key -> (owner, versions, bits or None)
 
     def bits(self, owner, num: torch.Tensor, idx: torch.Tensor, batch: int, heads: int, rows_are_q: bool,
              tile_rows: int, len_rows: int, len_cols: int, tile_cols: int = 128) -> torch.Tensor | None:
         """Cached `build`; `owner` (the kernel's block lists, which hold `num` and `idx`) is kept alive with the
         entry so that its id is not reused while cached."""
-        key = (id(owner), batch, heads, rows_are_q, tile_rows, len_rows, len_cols, tile_cols,
-               tuple(t._version for t in self.watch))
+        key = (id(owner), batch, heads, rows_are_q, tile_rows, len_rows, len_cols, tile_cols)
+        versions = tuple(t._version for t in self.watch)
         hit = self._cache.get(key)
-        if hit is not None:
+        if hit is not None and hit[1] == versions:
             self._cache.move_to_end(key)
-            return hit[1]
+            return hit[2]
         bits = build(self.mask_mod, num, idx, batch=batch, heads=heads, rows_are_q=rows_are_q, tile_rows=tile_rows,
                      len_rows=len_rows, len_cols=len_cols, varies_b=self.varies_b, varies_h=self.varies_h,
                      tile_cols=tile_cols)
-        self._cache[key] = (owner, bits)
-        while len(self._cache) > _CACHE_ENTRIES:
+        self._cache[key] = (owner, versions, bits)
+        self._cache.move_to_end(key)
+        while len(self._cache) > 1 and (len(self._cache) > _CACHE_ENTRIES or self.cached_bytes() > MAX_CACHED_BYTES):
             self._cache.popitem(last=False)
         return bits
+
+    def cached_bytes(self) -> int:
+        return sum(entry[2].numel() * 4 for entry in self._cache.values() if entry[2] is not None)

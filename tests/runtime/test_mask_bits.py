@@ -118,3 +118,29 @@ def test_the_cute_backend_stores_bits_only_for_masks_reading_captured_tensors():
     def bias_only(score, b, h, q_idx, kv_idx):  # a captured tensor read by the score_mod, not the mask
         return score + table[(q_idx - kv_idx).abs() % 64]
     assert not stores_mask_bits(bias_only, lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
+
+
+def test_in_place_edits_rebuild_an_entry_instead_of_adding_one(monkeypatch):
+    gen = torch.Generator().manual_seed(1)
+    doc = torch.sort(torch.randint(0, 4, (512,), generator=gen)).values.to(torch.int32)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+    bm = create_block_mask(lambda b, h, q, kv: q >= 0, None, None, 512, 512)  # every block full: list them partial
+    kbm = kernel_block_mask(bm, 512, 128, 128, 512)
+    num = torch.full_like(kbm.full_num, 4)
+    idx = torch.arange(4, dtype=torch.int32).expand(1, 1, 4, 4).contiguous()
+    store = mask_bits.StoredMasks(mask_mod, False, False, watch=(doc,))
+    first = store.bits(kbm, num, idx, 1, 1, True, 128, 512, 512)
+    doc.copy_(torch.sort(torch.randint(0, 9, (512,), generator=gen)).values.to(torch.int32))
+    second = store.bits(kbm, num, idx, 1, 1, True, 128, 512, 512)
+    assert len(store._cache) == 1 and not torch.equal(first, second)
+    dense = create_mask(mask_mod, 1, 1, 512, 512)[0, 0]
+    keep = mask_bits.unpack_fragment_order(second)[0, 0]
+    for o in range(4):
+        for p in range(4):
+            assert torch.equal(keep[o, p], dense[o * 128:(o + 1) * 128, p * 128:(p + 1) * 128])
+    # the byte bound drops the oldest entries (the newest always stays)
+    monkeypatch.setattr(mask_bits, "MAX_CACHED_BYTES", second.numel() * 4)
+    store.bits(kbm, num, idx, 2, 1, True, 128, 512, 512)
+    assert len(store._cache) == 1
