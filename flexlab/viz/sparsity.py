@@ -1,7 +1,8 @@
 """Block-sparsity inspector: what the kernel will actually do with a BlockMask at its tile size.
 
 torch's ``print(block_mask)`` merges partial and full tiles, yet they cost different amounts: a full tile skips the
-mask_mod, a partial one evaluates it on every element, an empty one is never loaded. This module counts the three
+mask_mod, a partial one masks every element (evaluating the mask_mod, or testing bits stored once per mask where the
+mask_mod reads captured tensors), an empty one is never loaded. This module counts the three
 states per (b, h), turns them into work (FLOPs computed and skipped, kv tiles per Q tile), simulates how our
 kernel's CTAs, issued heaviest Q tile first, spread over the SMs, and measures what building the mask cost.
 """
@@ -147,6 +148,8 @@ class SparsityReport:
     partial_cost: float = 1.0
     build_cost: Optional[BuildCost] = None
     name: str = "mask"
+    # how our kernels mask a partial tile (`partial_tile_masking`); "" when unknown (no mask_mod)
+    partial_masking: str = ""
     _cache: dict = field(default_factory=dict, repr=False)
 
     # -- counts ----------------------------------------------------------------------------------------------
@@ -318,6 +321,8 @@ class SparsityReport:
                 ("FLOPs skipped", f"{st['flops_skipped']:.3g} ({st['flops_skipped_share']:.2%})"),
                 (f"SM load imbalance ({self.num_sms} SMs, max/mean)",
                  f"{st['sm_imbalance']:.3f}× ranked order, {st['sm_imbalance_naive']:.3f}× index order")]
+        if self.partial_masking:
+            rows.append(("partial tiles masked by", self.partial_masking))
         if self.build_cost is not None:
             rows.append(("mask build", f"{self.build_cost.seconds * 1e3:.1f} ms, peak +"
                                        f"{self.build_cost.peak_host_bytes / 2**20:.1f} MiB host"
@@ -401,8 +406,30 @@ def inspect_blocks(mask, B: Optional[int] = None, H: Optional[int] = None, Q_LEN
         states = states.clone()
         last = states[..., -1]
         last[last == BLOCK_FULL] = BLOCK_PARTIAL
+    mask_mod = mask.mask_mod if isinstance(mask, BlockMask) else mask
     return SparsityReport(states, (tq, tk), seq, head_dim=head_dim, num_sms=num_sms, partial_cost=partial_cost,
-                          build_cost=cost, name=label)
+                          build_cost=cost, name=label, partial_masking=partial_tile_masking(mask_mod, states, tq))
+
+
+def partial_tile_masking(mask_mod, states: torch.Tensor, tile_q: int = 128) -> str:
+    """How flexlab's kernels mask the partial tiles of this mask: the mask_mod evaluated per score in registers, or
+    (where it reads captured tensors) bits stored once per block mask (`runtime.mask_bits`), with their size for
+    these tile states ((B, H, Q tiles, KV tiles) as `inspect_blocks` builds them); "" without a mask_mod."""
+    from torch.nn.attention.flex_attention import noop_mask
+    if mask_mod is None or mask_mod is noop_mask:
+        return ""
+    try:
+        from ..backends.cute import _lowered
+        store = _lowered(None, mask_mod).stored_masks
+    except Exception as e:  # noqa: BLE001 - a mask the code generator cannot lower still has tile states
+        return f"mask_mod per score (the code generator cannot lower it: {type(e).__name__})"
+    if store is None:
+        return "mask_mod evaluated per score in registers"
+    longest = int((states == BLOCK_PARTIAL).sum(-1).max()) if states.numel() else 0
+    copies = (states.shape[0] if store.varies_b else 1) * (states.shape[1] if store.varies_h else 1)
+    size = copies * states.shape[2] * max(1, longest) * tile_q * 16  # 4 words of 4 bytes per row
+    return (f"stored bits, {size / 1024:,.0f} KiB (its mask_mod reads captured tensors: evaluated once per block "
+            f"mask, one bit per score)")
 
 
 @dataclass

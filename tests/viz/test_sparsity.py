@@ -180,3 +180,16 @@ def test_hover_shows_issue_rank_of_q_tile():
     rep = inspect_blocks(causal, 1, 1, 512)
     custom = rep.states_trace().customdata
     assert [row[0][5] for row in custom] == [3, 2, 1, 0]          # the last (longest) Q tile is issued first
+
+
+def test_report_says_how_partial_tiles_are_masked():
+    doc = torch.tensor([0] * 300 + [1] * 400 + [2] * 324, dtype=torch.int32)
+
+    def document(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+    rep = inspect_blocks(document, 1, 1, 1024, 1024)
+    # partial tiles per Q tile at most 2 here: 8 Q tiles x 2 x 128 rows x 16 bytes
+    longest = int((rep.states == 1).sum(-1).max())
+    assert rep.partial_masking.startswith(f"stored bits, {8 * longest * 128 * 16 / 1024:,.0f} KiB")
+    assert ("partial tiles masked by", rep.partial_masking) in rep.table_rows()
+    assert inspect_blocks(causal, 1, 1, 512, 512).partial_masking == "mask_mod evaluated per score in registers"
