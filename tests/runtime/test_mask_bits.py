@@ -144,3 +144,23 @@ def test_in_place_edits_rebuild_an_entry_instead_of_adding_one(monkeypatch):
     monkeypatch.setattr(mask_bits, "MAX_CACHED_BYTES", second.numel() * 4)
     store.bits(kbm, num, idx, 2, 1, True, 128, 512, 512)
     assert len(store._cache) == 1
+
+
+def test_bits_at_192_row_tiles_over_merged_mask_rows():
+    # A 192-row Q tile covers parts of two 128-row mask blocks; its lists merge them, and the bits must follow the
+    # kernel's rows (192 per tile), not the mask's blocks.
+    S = 1000
+    mask_mod = _document(S, 6, seed=4)
+    bm = create_block_mask(mask_mod, None, None, S, S)
+    kbm = kernel_block_mask(bm, S, 192, 128, S)
+    bits = mask_bits.build(mask_mod, kbm.kv_num, kbm.kv_idx, batch=1, heads=1, rows_are_q=True, tile_rows=192,
+                           len_rows=S, len_cols=S, varies_b=False, varies_h=False)
+    assert bits.shape[4:] == (192, 4)
+    keep = mask_bits.unpack_fragment_order(bits)
+    dense = create_mask(mask_mod, 1, 1, S, S)[0, 0]
+    for o in range(kbm.kv_num.shape[2]):
+        for p in range(int(kbm.kv_num[0, 0, o])):
+            n = int(kbm.kv_idx[0, 0, o, p])
+            r0, c0 = o * 192, n * 128
+            rows, cols = min(192, S - r0), min(128, S - c0)
+            assert torch.equal(keep[0, 0, o, p, :rows, :cols], dense[r0:r0 + rows, c0:c0 + cols]), (o, p)
