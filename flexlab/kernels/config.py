@@ -63,6 +63,11 @@ DYNAMIC_MAX_MEAN_KV_BLOCKS = 20
 # launcher stored once per mask (`FwdConfig.mask_bits`, `runtime.mask_bits`) instead of evaluating mask_mod, whose
 # gathers made a document mask's partial-block step 778 SASS instructions against 549 with bits (454 for a full one).
 STORE_MASK_BITS = True
+# D=64 kernels that read stored mask bits (no score_mod; the mask then needs no registers of its own): 192-row tiles
+# where a 128-row tile visits at least this many KV blocks on average under the mask (0: never). H200, documents
+# (benchmarks/results/mask_bits_d64_tiles_h200_2026-11-30.json): at 17.3 blocks per tile, 192 rows with dynamic tiles
+# ran 1.10x faster than 128; at 4.0, 0.91x. Off until a sweep places the bound between the two.
+D64_BITS_TILE192_MIN_MEAN_KV_BLOCKS = 0.0
 
 
 @dataclass(frozen=True)

@@ -156,6 +156,15 @@ def _stored_bits(q: torch.Tensor, kbm, cfg: FwdConfig, seqlen_k: int, stored_mas
     return stored_masks.bits(kbm, kbm.kv_num, kbm.kv_idx, B, Hq, True, cfg.tile_m, Sq, seqlen_k)
 
 
+def bits_wide_tiles(cfg: FwdConfig, mean_kv_blocks: float, has_score_mod: bool) -> FwdConfig | None:
+    """The 192-row D=64 configuration a kernel reading stored mask bits takes instead of `cfg`, where
+    `D64_BITS_TILE192_MIN_MEAN_KV_BLOCKS` asks for it at this mean (KV blocks per 128-row tile), else None."""
+    bound = _policy.D64_BITS_TILE192_MIN_MEAN_KV_BLOCKS
+    if not bound or cfg.head_dim != 64 or cfg.tile_m != 128 or has_score_mod or mean_kv_blocks < bound:
+        return None
+    return FwdConfig(head_dim=64, tile_m=192, tile_n=128, num_stages=3, mask_bits=True)
+
+
 def _plan(q: torch.Tensor, k: torch.Tensor, mods: KernelMods, block_mask, config: FwdConfig | None, arch: str,
           writes_lse: bool = True, stored_masks=None):
     """(compiled function, key, sparse arguments or None, launch order or None) for these inputs. The sparse
@@ -179,17 +188,25 @@ def _plan(q: torch.Tensor, k: torch.Tensor, mods: KernelMods, block_mask, config
     plans = _PLANS.get(fast)
     if plans is None:
         plans = _PLANS[fast] = (config_for(D, sparse, mods, Skv), {})
-    base, compiled = plans  # compiled: (SM count of the dynamic kernel or 0, reads bits) -> (fn, key)
+    base, compiled = plans  # compiled: (SM count of the dynamic kernel or 0, reads bits, tile_m) -> (fn, key)
     kbm = kernel_block_mask(block_mask, q.shape[2], base.tile_m, base.tile_n, Skv) if sparse else None
     mean = kbm.mean_kv_blocks if sparse else dense_mean_kv_blocks(base, Skv)
     num_sms = _sm_count(q.device) if runs_dynamic(base, mean) else 0
     bits = _stored_bits(q, kbm, base, Skv, stored_masks)
-    hit = compiled.get((num_sms, bits is not None))
+    tiles = base
+    if bits is not None:  # D=64 may take wider tiles once the mask needs no registers (`bits_wide_tiles`)
+        wide = bits_wide_tiles(base, mean, mods.score_mod is not None)
+        wide_kbm = kernel_block_mask(block_mask, q.shape[2], 192, 128, Skv) if wide is not None else None
+        wide_bits = _stored_bits(q, wide_kbm, wide, Skv, stored_masks) if wide is not None else None
+        if wide_bits is not None:
+            tiles, kbm, bits = wide, wide_kbm, wide_bits
+    plan = (num_sms, bits is not None, tiles.tile_m)
+    hit = compiled.get(plan)
     if hit is None:
-        cfg = _dynamic(base, num_sms) if num_sms else base
+        cfg = _dynamic(tiles, num_sms) if num_sms else tiles
         if bits is not None:
             cfg = dataclasses.replace(cfg, mask_bits=True)
-        hit = compiled[(num_sms, bits is not None)] = _compiled(mods, q.dtype, cfg, arch, sparse, writes_lse)
+        hit = compiled[plan] = _compiled(mods, q.dtype, cfg, arch, sparse, writes_lse)
     fn, key = hit
     args = None if kbm is None else kbm.as_args() if bits is None else kbm.as_args() + (bits,)
     return fn, key, args, kbm.order if sparse else None

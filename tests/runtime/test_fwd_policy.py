@@ -81,6 +81,21 @@ def test_d64_sparse_tile_knob(fresh_policy):
     assert "BLOCK_SIZE" in backend._mask_reason((96, 128), 64, captured_tensors=True)
 
 
+def test_wide_tiles_for_stored_mask_bits_are_a_knob(fresh_policy):
+    # D=64 kernels reading stored bits may take 192-row tiles where tiles visit many KV blocks; off by default
+    bits128 = dataclasses.replace(default_config(64, True, captured_tensors=True), mask_bits=True)
+    assert bits128.tile_m == 128
+    assert launch.bits_wide_tiles(bits128, 17.3, False) is None
+    fresh_policy.setattr(policy, "D64_BITS_TILE192_MIN_MEAN_KV_BLOCKS", 8.0)
+    wide = launch.bits_wide_tiles(bits128, 17.3, False)
+    assert wide == FwdConfig(head_dim=64, tile_m=192, tile_n=128, num_stages=3, mask_bits=True)
+    assert wide.feasibility_error() is None
+    assert launch.bits_wide_tiles(bits128, 4.0, False) is None  # short tiles: 128 rows measured faster
+    assert launch.bits_wide_tiles(bits128, 17.3, True) is None  # a score_mod's registers spill at 192 rows
+    bits_d128 = dataclasses.replace(default_config(128, True), mask_bits=True)
+    assert launch.bits_wide_tiles(bits_d128, 17.3, False) is None
+
+
 def test_ablations_are_canonical_and_checked():
     a = FwdConfig(head_dim=128, ablate=("pv", "exp2", "pv"))
     b = FwdConfig(head_dim=128, ablate=frozenset({"exp2", "pv"}))

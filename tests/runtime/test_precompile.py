@@ -80,3 +80,38 @@ def test_precompile_leaves_every_kernel_on_disk(tmp_path, monkeypatch):
     bwd_launch.backward_kernels(None, [], torch.bfloat16, 64)
     stats = bwd_launch.bwd_kernel_cache().stats
     assert stats.compiles == 0 and stats.disk_hits == 3  # preprocess, main kernel, postprocess
+
+
+@pytest.mark.parametrize("head_dim,wide_bound", [(128, 0.0), (64, 0.0), (64, 8.0)])
+def test_planned_keys_cover_masks_stored_as_bits(monkeypatch, head_dim, wide_bound):
+    """A document mask's partial blocks read stored bits (`FwdConfig.mask_bits`); with the wide-tile knob on, D=64
+    takes 192-row tiles where tiles are long. Whatever the launcher builds, precompilation planned."""
+    import flexlab
+    from flexlab.backends.cute import _lowered
+    from flexlab.kernels import config as policy
+    from flexlab.runtime import launch
+    from flexlab.runtime.precompile import forward_keys
+    monkeypatch.setattr(policy, "D64_BITS_TILE192_MIN_MEAN_KV_BLOCKS", wide_bound)
+    doc = torch.repeat_interleave(torch.arange(2, dtype=torch.int32), 4096)  # 2 documents of 4096 tokens
+
+    def document(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+    low = _lowered(None, document)
+    assert low.stored_masks is not None
+    seen = set()
+    monkeypatch.setattr(launch, "_FAST", {})
+    monkeypatch.setattr(launch, "_PLANS", {})
+    monkeypatch.setattr(launch, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(launch, "forward_kernel", lambda key, mods: seen.add(key) or object())
+    for seqlen in (1024, 8192):
+        q = torch.empty(1, 4, seqlen, head_dim, dtype=torch.bfloat16)
+        bm = flexlab.create_block_mask(document, None, None, seqlen, seqlen, device="cpu")
+        for writes_lse in (True, False):
+            _, key, sparse, _ = launch._plan(q, q, low.mods, bm, None, "sm_90a", writes_lse, low.stored_masks)
+            assert key.config.mask_bits and len(sparse) == 5 and sparse[4].shape[-2:] == (key.config.tile_m, 4)
+    _, planned = forward_keys(None, document, head_dim, torch.bfloat16, (1024, 8192), 132)
+    assert seen <= set(planned)
+    tiles = {k.config.tile_m for k in seen}
+    # 8192 tokens: 16.5 KV blocks per 128-row tile on average under this mask; 1024 (inside one document): 4.5
+    assert tiles == ({128, 192} if wide_bound else {128}), tiles
