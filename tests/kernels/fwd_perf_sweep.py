@@ -3,7 +3,8 @@
     . .deps/activate.sh && python3 tests/kernels/fwd_perf_sweep.py OUT.json --budget 480
 
 For the forward benchmark rows (`flexlab.bench.rows`, "fwd-default"; the short and masked rows first, so a budget cut
-keeps the rows the issue asks about) it times, kernel by kernel:
+keeps the rows the issue asks about; `--rows D64` adds the D=64 document rows of `extra_rows`) it times, kernel by
+kernel:
   baseline      the configuration flexlab runs today (`launch.config_for`), also through the public API and the
                 runtime wrapper, with the profiler's kernel time and the host time per call;
   -<stage>      debug builds with one stage removed (`FwdConfig.ablate`, `config.ABLATIONS`): the time saved is
@@ -58,6 +59,13 @@ ABLATION_ORDER = ("softmax", "exp2", "pv", "overlap", "store", "kv_loads", "mask
 
 
 # ------------------------------------------------------------------------------------------------ rows and variants
+def extra_rows():
+    """Rows outside the benchmark's forward set, picked by name only (`--rows "D64"`): the D=64 document forward at
+    three lengths, where the wide-tile bound for stored mask bits is to be placed (`D64_BITS_TILE192_MIN_MEAN_KV_BLOCKS`)."""
+    from flexlab.bench.rows import Row
+    return [Row("document", 4, 4096, D=64), Row("document", 2, 8192, D=64), Row("document", 1, 16384, D=64)]
+
+
 def sweep_rows(which: str):
     from flexlab.bench.rows import ROW_SETS
     rows = list(ROW_SETS["fwd-default"])
@@ -68,7 +76,7 @@ def sweep_rows(which: str):
     if which == "all":
         return ordered
     wanted = [w.strip() for w in which.split(",") if w.strip()]
-    return [r for r in ordered if any(w in r.name for w in wanted)]
+    return [r for r in ordered + extra_rows() if any(w in r.name for w in wanted)]
 
 
 def row_mods_kind(variant: str) -> tuple[bool, bool]:
