@@ -264,11 +264,18 @@ def visit_ranks(sparse: tuple, num_m_tiles: int) -> torch.Tensor:
     return (visits.cumsum(dim=2) - visits).to(torch.int32).contiguous()
 
 
+@lru_cache(maxsize=None)
+def with_mask_bits(cfg: BwdConfig) -> BwdConfig:
+    """`cfg` reading stored partial-block bits (`BwdConfig.mask_bits`) where its tiles allow, else `cfg` as it is."""
+    reading = replace(cfg, mask_bits=True)
+    return reading if reading.feasibility_error() is None else cfg
+
+
 def stored_bits(entry, masks: QLists, cfg: BwdConfig, batch: int, heads: int, seqlen_q: int, seqlen_k: int):
     """The partial-block bits of `masks` for this kernel's tiles (rows = keys, `runtime.mask_bits`), or None where
     the mods store none (`ModEntry.stored_masks`), the tiles are not ones the layout covers, or they are too large."""
     store = getattr(entry, "stored_masks", None)
-    if store is None or cfg.tile_n != 128 or cfg.tile_m not in (64, 128) or cfg.mask_early:
+    if store is None or not with_mask_bits(cfg).mask_bits:
         return None
     num, idx = masks.tensors[0], masks.tensors[1]
     return store.bits(masks, num, idx, batch, heads, False, cfg.tile_n, seqlen_k, seqlen_q, tile_cols=cfg.tile_m)
@@ -340,8 +347,8 @@ def backward_kernels(g, grad_slots, dtype: torch.dtype, head_dim: int, q_block: 
     (None without a mask), `mask_bits` whether the mods store partial-block bits (`ModEntry.stored_masks`; used where
     the tiles allow, as `stored_bits` decides)."""
     cfg = config_for(head_dim, deterministic, g, bool(grad_slots), q_block)
-    if mask_bits and q_block is not None and cfg.tile_n == 128 and cfg.tile_m in (64, 128) and not cfg.mask_early:
-        cfg = replace(cfg, mask_bits=True)
+    if mask_bits and q_block is not None:
+        cfg = with_mask_bits(cfg)
     kernel_aux = tuple(g.kernel_aux_tensors()) if g is not None else ()
     return _kernels(g, grad_slots, kernel_aux, dtype, cfg, q_block is not None, has_dlse, deterministic, arch)
 
@@ -374,7 +381,7 @@ def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, bloc
         pad = math.lcm(cfg.tile_m, int(block_size[0]))  # listed Q tiles may run past Sq up to a mask block
         bits = stored_bits(entry, masks, cfg, B, Hq, Sq, Skv)
         if bits is not None:
-            cfg = replace(cfg, mask_bits=True)
+            cfg = with_mask_bits(cfg)
     kernels = _kernels(g, entry.grad_slots, kernel_aux, q.dtype, cfg, masks is not None, dlse is not None,
                        deterministic, arch)
 

@@ -67,17 +67,26 @@ def runs_dynamic(cfg: FwdConfig, mean_kv_blocks: float | None) -> bool:
 
 
 def config_for(head_dim: int, sparse: bool, mods: KernelMods, seqlen_k: int | None = None,
-               num_sms: int = 0, mean_kv_blocks: float | None = None) -> FwdConfig:
+               num_sms: int = 0, mean_kv_blocks: float | None = None, mask_bits: bool = False) -> FwdConfig:
     """The kernel configuration flexlab runs for these inputs (`kernels.config.default_config` and its policy knobs,
     which are read when a configuration is first chosen: set them before the first call). With `num_sms` > 0 (the
     device's SM count) it is persistent with dynamic tiles where `runs_dynamic` says so; the mean number of KV blocks
     a Q tile visits is `mean_kv_blocks` under a block mask (`KernelBlockMask.mean_kv_blocks`; None: unknown, one CTA
-    per tile) and follows from `seqlen_k` without one."""
+    per tile) and follows from `seqlen_k` without one. `mask_bits`: the mods store partial-block bits
+    (`runtime.mask_bits`), which the kernel reads where its tiles allow (`with_mask_bits`)."""
     base = _config(head_dim, sparse, mods.score_mod is not None, d128_stages(seqlen_k) if head_dim == 128 else 0,
                    bool(mods.aux_tensor_specs))
     if not sparse and seqlen_k is not None:
         mean_kv_blocks = dense_mean_kv_blocks(base, seqlen_k)
-    return _dynamic(base, num_sms) if num_sms and runs_dynamic(base, mean_kv_blocks) else base
+    cfg = _dynamic(base, num_sms) if num_sms and runs_dynamic(base, mean_kv_blocks) else base
+    return with_mask_bits(cfg) if mask_bits and sparse else cfg
+
+
+@lru_cache(maxsize=None)
+def with_mask_bits(cfg: FwdConfig) -> FwdConfig:
+    """`cfg` reading stored partial-block bits (`FwdConfig.mask_bits`) where its tiles allow, else `cfg` as it is."""
+    reading = dataclasses.replace(cfg, mask_bits=True)
+    return reading if reading.feasibility_error() is None else cfg
 
 
 @lru_cache(maxsize=None)
@@ -150,7 +159,7 @@ _NO_MODS = KernelMods()
 def _stored_bits(q: torch.Tensor, kbm, cfg: FwdConfig, seqlen_k: int, stored_masks):
     """The partial-block bits of `kbm` for a kernel with `cfg`'s tiles (`runtime.mask_bits`), or None where none
     are stored (no store given, tiles the bit layout does not cover, or too large)."""
-    if stored_masks is None or kbm is None or cfg.tile_n != 128:
+    if stored_masks is None or kbm is None or not with_mask_bits(cfg).mask_bits:
         return None
     B, Hq, Sq, _ = q.shape
     return stored_masks.bits(kbm, kbm.kv_num, kbm.kv_idx, B, Hq, True, cfg.tile_m, Sq, seqlen_k)
@@ -205,7 +214,7 @@ def _plan(q: torch.Tensor, k: torch.Tensor, mods: KernelMods, block_mask, config
     if hit is None:
         cfg = _dynamic(tiles, num_sms) if num_sms else tiles
         if bits is not None:
-            cfg = dataclasses.replace(cfg, mask_bits=True)
+            cfg = with_mask_bits(cfg)
         hit = compiled[plan] = _compiled(mods, q.dtype, cfg, arch, sparse, writes_lse)
     fn, key = hit
     args = None if kbm is None else kbm.as_args() if bits is None else kbm.as_args() + (bits,)

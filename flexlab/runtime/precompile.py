@@ -48,12 +48,10 @@ def forward_keys(score_mod, mask_mod, head_dim: int, dtype, seqlens, num_sms: in
         # Under a block mask the launcher picks the tile scheduler from the mask's density, unknown here: plan both.
         means = (None, 0) if sparse else (None,)
         for mean in means:
-            cfgs = [config_for(head_dim, sparse, mods, seqlen, num_sms, mean)]
-            if bits and cfgs[0].tile_n == 128:  # the launcher's stored partial-block bits (`launch._stored_bits`)
-                cfgs = [dataclasses.replace(cfgs[0], mask_bits=True)]
-                if bits_wide_tiles(cfgs[0], float("inf"), mods.score_mod is not None) is not None:
-                    # wide tiles where the mask's density asks for them (`launch.bits_wide_tiles`): unknown here
-                    cfgs.append(dataclasses.replace(cfgs[0], tile_m=192, num_stages=3))
+            cfgs = [config_for(head_dim, sparse, mods, seqlen, num_sms, mean, mask_bits=bits)]
+            if cfgs[0].mask_bits and bits_wide_tiles(cfgs[0], float("inf"), mods.score_mod is not None) is not None:
+                # wide tiles where the mask's density asks for them (`launch.bits_wide_tiles`): unknown here
+                cfgs.append(dataclasses.replace(cfgs[0], tile_m=192, num_stages=3))
             for cfg in cfgs:
                 for writes_lse in (True, False):
                     key = compile_key(mods, dtype, cfg, "sm_90a", sparse, writes_lse)

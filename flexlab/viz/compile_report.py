@@ -315,9 +315,8 @@ def _forward_key(score_mod, mask_mod, dtype: str, head_dim: int, block_sparse: O
 
     mods = backend.kernel_mods(score_mod, mask_mod)
     sparse = (mods.mask_mod is not None) if block_sparse is None else bool(block_sparse)
-    cfg = launch.config_for(head_dim, sparse, mods)
-    if sparse and cfg.tile_n == 128 and backend.stores_mask_bits(score_mod, mask_mod):
-        cfg = dataclasses.replace(cfg, mask_bits=True)  # partial blocks read stored bits (`runtime.mask_bits`)
+    # partial blocks read stored bits where the mask_mod reads captured tensors (`runtime.mask_bits`)
+    cfg = launch.config_for(head_dim, sparse, mods, mask_bits=sparse and backend.stores_mask_bits(score_mod, mask_mod))
     torch_dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     key = dataclasses.replace(launch.compile_key(mods, torch_dtype, cfg, arch, sparse), tvm_ffi=False)
     return key, mods, cfg

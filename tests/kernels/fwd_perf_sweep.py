@@ -225,10 +225,8 @@ def _launcher_config(row, mods, lowered, num_sms: int):
     """The configuration flexlab runs for the row: `launch.config_for`, reading stored partial-block bits where the
     launcher stores them (`launch._stored_bits`)."""
     from flexlab.runtime import launch
-    base = launch.config_for(row.D, mods.mask_mod is not None, mods, row.S, num_sms, _mean_kv_blocks(row, mods))
-    if lowered is not None and lowered.stored_masks is not None and base.tile_n == 128:
-        base = dataclasses.replace(base, mask_bits=True)
-    return base
+    return launch.config_for(row.D, mods.mask_mod is not None, mods, row.S, num_sms, _mean_kv_blocks(row, mods),
+                             mask_bits=lowered is not None and lowered.stored_masks is not None)
 
 
 def _variant(row, name: str, mods, num_sms: int, lowered) -> Variant:
