@@ -17,6 +17,7 @@ in-place edit of what the mask reads builds the bits again.
 """
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 
 import torch
@@ -77,7 +78,7 @@ def build(mask_mod, num: torch.Tensor, idx: torch.Tensor, *, batch: int, heads: 
     masked by the kernel's own tail test), so the mask_mod never reads past a captured buffer."""
     longest = int(num.max()) if num.numel() else 0
     shape = stored_shape(num, idx, batch, heads, tile_rows, varies_b, varies_h, longest)
-    if 4 * _numel(shape) > MAX_BYTES:
+    if 4 * math.prod(shape) > MAX_BYTES:
         return None
     bx, hx, n_outer, p_max = shape[:4]
     device = idx.device
@@ -108,13 +109,6 @@ def build(mask_mod, num: torch.Tensor, idx: torch.Tensor, *, batch: int, heads: 
                                            kv_idx.reshape(-1)).view(q_idx.shape)
         flat_out[g] = pack_fragment_order(keep)
     return out
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 def store_for(generated, mask_mod, watch: tuple = ()) -> "StoredMasks | None":
