@@ -64,10 +64,11 @@ DYNAMIC_MAX_MEAN_KV_BLOCKS = 20
 # gathers made a document mask's partial-block step 778 SASS instructions against 549 with bits (454 for a full one).
 STORE_MASK_BITS = True
 # D=64 kernels that read stored mask bits (no score_mod; the mask then needs no registers of its own): 192-row tiles
-# where a 128-row tile visits at least this many KV blocks on average under the mask (0: never). H200, documents
-# (benchmarks/results/mask_bits_d64_tiles_h200_2026-11-30.json): at 17.3 blocks per tile, 192 rows with dynamic tiles
-# ran 1.10x faster than 128; at 4.0, 0.91x. Off until a sweep places the bound between the two.
-D64_BITS_TILE192_MIN_MEAN_KV_BLOCKS = 0.0
+# where a 128-row tile visits at least this many KV blocks on average under the mask (0: never). H200 kernel time of
+# 192 rows (with dynamic tiles below DYNAMIC_MAX_MEAN_KV_BLOCKS) against 128, documents
+# (benchmarks/results/fwd_d64_bits_tiles_sweep_h200_2026-11-30.json): 0.92x at 4.0 blocks per tile (B4 S4k), 1.07x
+# at ~8.5 (B2 S8k), 1.08x at 17.3 (B1 S16k). Short tiles lose to the longer prologue of three 192-row slabs.
+D64_BITS_TILE192_MIN_MEAN_KV_BLOCKS = 6.0
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,9 @@ outputs (TVM-FFI argument conversion + driver launch); `runtime.launch.forward`;
 backend="cute")` and `backend="auto"`; the same with a causal BlockMask and with a soft-cap score_mod. Each
 `flex_attention` entry runs warm (its signature seen before) and, as "full path", with the warm-call cache emptied
 before every call (validation, backend choice and launch planning each time); without `return_lse` the kernel
-writes no LSE and only O is allocated. For scale: SDPA (cuDNN and flash
+writes no LSE and only O is allocated. The warm entries' parts are timed alone too: the bound launch
+(`runtime.launch.BoundForward`) of the dense, soft-cap and causal calls, the soft-cap's capture check, and the call
+signature. For scale: SDPA (cuDNN and flash
 backends) and torch's compiled flex_attention on the same inputs.
 """
 from __future__ import annotations
@@ -76,7 +78,22 @@ def entries(B=1, H=2, S=512, D=128):
                 return F.scaled_dot_product_attention(q, k, v)
         return call
 
-    return {
+    # The warm entries' own parts (`backends.cute.WarmForward`): the capture check and the bound launch alone.
+    flexlab.flex_attention(q, k, v)
+    flexlab.flex_attention(q, k, v, score_mod=softcap)
+    flexlab.flex_attention(q, k, v, block_mask=causal)
+    warm = {w.score_mod or w.mask_mod or "dense": w for w in api._WARM.values()}
+    soft, dense, masked = warm[softcap], warm["dense"], warm[causal.mask_mod]
+
+    parts = {
+        "dense: bound launch": lambda: dense.bound(q, k, v, None),
+        "softcap: bound launch": lambda: soft.bound(q, k, v, None),
+        "softcap: capture check": lambda: cute._mods_state(softcap, None) != soft.lowered.state,
+        "softcap: warm call": lambda: soft(q, k, v, None),
+        "causal: bound launch": lambda: masked.bound(q, k, v, None),
+        "signature": lambda: api._signature(q, k, v, softcap, None, None, False, False, "auto"),
+    }
+    return parts | {
         "torch.empty x2": lambda: (torch.empty((B, H, S, D), dtype=q.dtype, device=q.device),
                                    torch.empty((B, H, S), dtype=torch.float32, device=q.device)),
         "kernel call (preallocated)": lambda: fn(q, k, v, out, lse, D ** -0.5, 1, group, None, None, counter, (), ()),

@@ -54,8 +54,8 @@ def _masks(S_kv, device):
 @pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("Sq,Skv,Hkv", [(1000, 1000, 8), (777, 1023, 2), (1023, 777, 8)])
 def test_stored_bits_match_mask_mod(D, tile_m, dynamic, Sq, Skv, Hkv):
-    # tile_m=192 (three consumer warpgroups over merged mask rows) is a candidate at D=64 once the mask is bits
-    # (benchmarks/results/mask_bits_d64_tiles_h200_2026-11-30.json), not yet the launcher's choice.
+    # tile_m=192 (three consumer warpgroups over merged mask rows): the launcher's D=64 choice once the mask is bits
+    # and its tiles are long (`launch.bits_wide_tiles`).
     from flexlab import create_block_mask
     from flexlab.backends.cute import _lowered
     from flexlab.runtime import launch
@@ -105,6 +105,36 @@ def test_public_call_stores_bits_and_follows_in_place_edits():
         low = _LOWERED[(None, document)]
         assert low.stored_masks is not None and low.stored_masks._cache, "no bits were stored"
         doc.copy_(torch.sort(torch.randint(0, 6 + step, (S,), device="cuda")).values.to(torch.int32))
+
+
+@needs_hopper
+@pytest.mark.parametrize("Sq,Skv", [(2048, 2048), (1900, 2100)])
+def test_public_call_takes_wide_tiles_for_long_d64_documents(Sq, Skv):
+    # Documents long enough that a 128-row tile visits more than D64_BITS_TILE192_MIN_MEAN_KV_BLOCKS KV blocks: the
+    # default plan reads stored bits with 192-row tiles. Checked against float64 and against the kernel evaluating
+    # mask_mod with 128-row tiles.
+    import flexlab
+    from flexlab.backends.cute import _lowered
+    from flexlab.kernels import config as policy
+    from flexlab.runtime import launch
+    doc = (torch.arange(max(Sq, Skv), device="cuda", dtype=torch.int32) * 2) // max(Sq, Skv)
+
+    def two_documents(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    bm = flexlab.create_block_mask(two_documents, None, None, Sq, Skv, device="cuda")
+    q, k, v = random_qkv(2, 4, Sq, Skv, 64, torch.bfloat16, "cuda", Hkv=2)
+    low = _lowered(None, two_documents)
+    kbm = launch.kernel_block_mask(bm, Sq, 128, 128, Skv)
+    assert kbm.mean_kv_blocks >= policy.D64_BITS_TILE192_MIN_MEAN_KV_BLOCKS > 0
+    launch._PLANS.clear()  # only this call's plans below (compiled kernels stay cached)
+    out, lse = flexlab.flex_attention(q, k, v, block_mask=bm, return_lse=True, enable_gqa=True, backend="cute")
+    _check(out, lse, q, k, v, bm)
+    plans = [plan for (base, compiled) in launch._PLANS.values() for plan in compiled if base.head_dim == 64]
+    assert any(bits and tile_m == 192 for _, bits, tile_m in plans), plans
+    base = launch.config_for(64, True, low.mods, Skv)
+    out_eval, _ = launch.forward(q, k, v, low.mods, low.tensors_on(q.device), low.aux_scalars, bm, config=base)
+    assert rel_l2(out, out_eval) < 1e-2
 
 
 @needs_hopper

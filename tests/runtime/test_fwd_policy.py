@@ -82,9 +82,13 @@ def test_d64_sparse_tile_knob(fresh_policy):
 
 
 def test_wide_tiles_for_stored_mask_bits_are_a_knob(fresh_policy):
-    # D=64 kernels reading stored bits may take 192-row tiles where tiles visit many KV blocks; off by default
+    # D=64 kernels reading stored bits take 192-row tiles where tiles visit many KV blocks (measured bound: 6)
     bits128 = dataclasses.replace(default_config(64, True, captured_tensors=True), mask_bits=True)
     assert bits128.tile_m == 128
+    assert policy.D64_BITS_TILE192_MIN_MEAN_KV_BLOCKS == 6.0
+    assert launch.bits_wide_tiles(bits128, 8.5, False).tile_m == 192
+    assert launch.bits_wide_tiles(bits128, 5.9, False) is None
+    fresh_policy.setattr(policy, "D64_BITS_TILE192_MIN_MEAN_KV_BLOCKS", 0.0)  # 0: never
     assert launch.bits_wide_tiles(bits128, 17.3, False) is None
     fresh_policy.setattr(policy, "D64_BITS_TILE192_MIN_MEAN_KV_BLOCKS", 8.0)
     wide = launch.bits_wide_tiles(bits128, 17.3, False)
