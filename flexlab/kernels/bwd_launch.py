@@ -272,8 +272,8 @@ def with_mask_bits(cfg: BwdConfig) -> BwdConfig:
 
 
 def stored_bits(entry, masks: QLists, cfg: BwdConfig, batch: int, heads: int, seqlen_q: int, seqlen_k: int):
-    """The partial-block bits of `masks` for this kernel's tiles (rows = keys, `runtime.mask_bits`), or None where
-    the mods store none (`ModEntry.stored_masks`), the tiles are not ones the layout covers, or they are too large."""
+    """The partial-block bits of `masks` for this kernel's tiles (rows = keys, `runtime.mask_bits.StoredBits`: the
+    words and the partial lists less their empty blocks), or None where the mods store none (`ModEntry.stored_masks`), the tiles are not ones the layout covers, or they are too large."""
     store = getattr(entry, "stored_masks", None)
     if store is None or not with_mask_bits(cfg).mask_bits:
         return None
@@ -396,12 +396,16 @@ def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, bloc
     if deterministic:
         sem = torch.zeros((B, Hq, sq_pad // cfg.tile_m, cfg.num_consumer_wgs), dtype=torch.int32, device=dev)
         if masks is not None:
-            rank = masks.ranks(sq_pad // cfg.tile_m)
+            n_m = sq_pad // cfg.tile_m
+            rank = masks.ranks(n_m) if bits is None or not bits.pruned else bits.ranks(
+                n_m, lambda: visit_ranks((bits.num, bits.idx) + masks.tensors[2:], n_m))
     scalars = g.kernel_aux_scalar_values(aux_scalars) if g is not None else ()
 
     # Argument order = the kernels' __call__ signatures; None for an input compiled as absent.
     kernels.pre(out, dout, lse.contiguous(), dlse.contiguous() if dlse is not None else None, dpsum, lse2)
-    sparse = None if masks is None else masks.tensors if bits is None else masks.tensors + (bits,)
+    sparse = None
+    if masks is not None:  # with stored bits: their partial lists (empty blocks dropped), then the words
+        sparse = masks.tensors if bits is None else (bits.num, bits.idx) + masks.tensors[2:] + (bits.words,)
     kernels.main(q, k, v, dout, lse2, dpsum, dq_accum, dk, dv, scale, Hq // Hkv, sparse, kernel_aux, scalars, grads,
                  sem, rank)
     kernels.post(dq_accum, dq, scale)

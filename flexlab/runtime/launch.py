@@ -157,12 +157,20 @@ _NO_MODS = KernelMods()
 
 
 def _stored_bits(q: torch.Tensor, kbm, cfg: FwdConfig, seqlen_k: int, stored_masks):
-    """The partial-block bits of `kbm` for a kernel with `cfg`'s tiles (`runtime.mask_bits`), or None where none
-    are stored (no store given, tiles the bit layout does not cover, or too large)."""
+    """The partial-block bits of `kbm` for a kernel with `cfg`'s tiles (`runtime.mask_bits.StoredBits`), or None
+    where none are stored (no store given, tiles the bit layout does not cover, or too large)."""
     if stored_masks is None or kbm is None or not with_mask_bits(cfg).mask_bits:
         return None
     B, Hq, Sq, _ = q.shape
     return stored_masks.bits(kbm, kbm.kv_num, kbm.kv_idx, B, Hq, True, cfg.tile_m, Sq, seqlen_k)
+
+
+def _sparse_args(kbm, bits) -> tuple:
+    """The kernel's block-list arguments: the four lists, or with stored bits their partial lists (empty blocks
+    dropped) and the words after them."""
+    if bits is None:
+        return kbm.as_args()
+    return (bits.num, bits.idx, kbm.full_num, kbm.full_idx, bits.words)
 
 
 def bits_wide_tiles(cfg: FwdConfig, mean_kv_blocks: float, has_score_mod: bool) -> FwdConfig | None:
@@ -189,7 +197,7 @@ def _plan(q: torch.Tensor, k: torch.Tensor, mods: KernelMods, block_mask, config
             bits = _stored_bits(q, kbm, config, Skv, stored_masks)
             if bits is None:
                 raise ValueError("FwdConfig.mask_bits=True needs a block mask and stored mask bits (stored_masks=)")
-            args = args + (bits,)
+            args = _sparse_args(kbm, bits)
         return fn, key, args, kbm.order if sparse else None
     # Everything the default configuration depends on; the policy terms are constants unless a knob is set.
     stages = d128_stages(Skv) if D == 128 else 0
@@ -217,7 +225,7 @@ def _plan(q: torch.Tensor, k: torch.Tensor, mods: KernelMods, block_mask, config
             cfg = with_mask_bits(cfg)
         hit = compiled[plan] = _compiled(mods, q.dtype, cfg, arch, sparse, writes_lse)
     fn, key = hit
-    args = None if kbm is None else kbm.as_args() if bits is None else kbm.as_args() + (bits,)
+    args = None if kbm is None else _sparse_args(kbm, bits)
     return fn, key, args, kbm.order if sparse else None
 
 

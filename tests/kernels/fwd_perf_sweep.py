@@ -295,6 +295,7 @@ class RowState:
 def direct_call(state: RowState, fn, key, heads_group: int = 0):
     """A no-argument call of the compiled kernel with everything prepared once (kernel time + a bare launch)."""
     import torch
+    from flexlab.runtime import launch
     from flexlab.runtime.launch import _to_cute, tile_counter
     from flexlab.runtime.schedule import heads_per_group
     from flexlab.runtime.sparsity import kernel_block_mask
@@ -305,8 +306,9 @@ def direct_call(state: RowState, fn, key, heads_group: int = 0):
     if state.block_mask is not None:
         kbm = kernel_block_mask(state.block_mask, S, cfg.tile_m, cfg.tile_n, S)
         sparse, order = kbm.as_args(), kbm.order
-        if cfg.mask_bits:  # stored once per mask, as the launcher does (`launch._stored_bits`)
-            sparse += (state.lowered.stored_masks.bits(kbm, kbm.kv_num, kbm.kv_idx, B, H, True, cfg.tile_m, S, S),)
+        if cfg.mask_bits:  # stored once per mask, as the launcher does (`launch._stored_bits`, `_sparse_args`)
+            bits = state.lowered.stored_masks.bits(kbm, kbm.kv_num, kbm.kv_idx, B, H, True, cfg.tile_m, S, S)
+            sparse = launch._sparse_args(kbm, bits)
     out = torch.empty_like(q)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
     group = heads_group or heads_per_group(S, D, 2, 1, B * H, state.block_mask is not None)

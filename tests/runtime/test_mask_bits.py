@@ -134,14 +134,17 @@ def test_in_place_edits_rebuild_an_entry_instead_of_adding_one(monkeypatch):
     first = store.bits(kbm, num, idx, 1, 1, True, 128, 512, 512)
     doc.copy_(torch.sort(torch.randint(0, 9, (512,), generator=gen)).values.to(torch.int32))
     second = store.bits(kbm, num, idx, 1, 1, True, 128, 512, 512)
-    assert len(store._cache) == 1 and not torch.equal(first, second)
+    assert len(store._cache) == 1 and not torch.equal(first.words, second.words)
     dense = create_mask(mask_mod, 1, 1, 512, 512)[0, 0]
-    keep = mask_bits.unpack_fragment_order(second)[0, 0]
+    keep = mask_bits.unpack_fragment_order(second.words)[0, 0]
     for o in range(4):
-        for p in range(4):
-            assert torch.equal(keep[o, p], dense[o * 128:(o + 1) * 128, p * 128:(p + 1) * 128])
+        kept = [int(p) for p in second.idx[0, 0, o, :int(second.num[0, 0, o])]]
+        for i, p in enumerate(kept):
+            assert torch.equal(keep[o, i], dense[o * 128:(o + 1) * 128, p * 128:(p + 1) * 128])
+        # the blocks left out of the lists are exactly those the mask empties
+        assert kept == [p for p in range(4) if dense[o * 128:(o + 1) * 128, p * 128:(p + 1) * 128].any()]
     # the byte bound drops the oldest entries (the newest always stays)
-    monkeypatch.setattr(mask_bits, "MAX_CACHED_BYTES", second.numel() * 4)
+    monkeypatch.setattr(mask_bits, "MAX_CACHED_BYTES", second.words.numel() * 4)
     store.bits(kbm, num, idx, 2, 1, True, 128, 512, 512)
     assert len(store._cache) == 1
 
@@ -164,3 +167,55 @@ def test_bits_at_192_row_tiles_over_merged_mask_rows():
             r0, c0 = o * 192, n * 128
             rows, cols = min(192, S - r0), min(128, S - c0)
             assert torch.equal(keep[0, 0, o, p, :rows, :cols], dense[r0:r0 + rows, c0:c0 + cols]), (o, p)
+
+
+@pytest.mark.parametrize("rows_are_q,tile_rows,tile_cols", [(True, 192, 128), (False, 128, 64), (False, 128, 128)])
+def test_blocks_whose_bits_are_all_zero_leave_the_lists(rows_are_q, tile_rows, tile_cols):
+    # Tiles smaller than the mask's blocks (the backward's 64 query columns) or merged over two mask rows (192-row
+    # forward tiles) can be empty inside a listed partial block: those leave the partial lists, the rest keep their
+    # order and their words.
+    S = 1024
+    mask_mod = _document(S, 7)
+    bm = create_block_mask(mask_mod, None, None, S, S)
+    dense = create_mask(mask_mod, 1, 1, S, S)[0, 0]
+    if rows_are_q:
+        kbm = kernel_block_mask(bm, S, tile_rows, tile_cols, S)
+        num, idx = kbm.kv_num, kbm.kv_idx
+    else:
+        from flexlab.kernels.bwd_config import BwdConfig
+        from flexlab.kernels.bwd_launch import q_direction_tensors
+        cfg = BwdConfig(head_dim=128 if tile_cols == 64 else 64, tile_m=tile_cols, tile_n=tile_rows)
+        lists = [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices, bm.q_num_blocks,
+                 bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices]
+        num, idx = q_direction_tensors(lists, bm.BLOCK_SIZE, cfg, S)[:2]
+        dense = dense.T  # rows = keys
+    words = mask_bits.build(mask_mod, num, idx, batch=1, heads=1, rows_are_q=rows_are_q, tile_rows=tile_rows,
+                            len_rows=S, len_cols=S, varies_b=False, varies_h=False, tile_cols=tile_cols)
+    stored = mask_bits.drop_empty_blocks(num, idx, words)
+    keep = mask_bits.unpack_fragment_order(stored.words, tile_cols)[0, 0]
+    dropped = 0
+    for o in range(num.shape[2]):
+        before = [int(p) for p in idx[0, 0, o, :int(num[0, 0, o])]]
+        after = [int(p) for p in stored.idx[0, 0, o, :int(stored.num[0, 0, o])]]
+        rows = slice(o * tile_rows, min(S, (o + 1) * tile_rows))
+
+        def block(p):
+            return dense[rows, p * tile_cols:(p + 1) * tile_cols]
+        assert after == [p for p in before if block(p).any()]
+        dropped += len(before) - len(after)
+        for i, p in enumerate(after):
+            got = keep[o, i, :rows.stop - rows.start]
+            assert torch.equal(got, block(p))
+    assert stored.pruned == (dropped > 0)
+    if tile_cols == 64 or tile_rows == 192:
+        assert dropped > 0  # these tiles do cut document boundaries inside a mask block
+    else:
+        assert dropped == 0 and stored.num is num  # 128x128 tiles are the mask's own blocks: none is empty
+
+
+def test_lists_broadcast_over_a_mode_the_bits_vary_over_are_kept_whole():
+    num = torch.tensor([[[2]]], dtype=torch.int32)
+    idx = torch.tensor([[[[0, 1]]]], dtype=torch.int32)
+    words = torch.zeros((2, 1, 1, 2, 128, 4), dtype=torch.int32)  # empty for batch 0 and 1, but per batch
+    stored = mask_bits.drop_empty_blocks(num, idx, words)
+    assert not stored.pruned and stored.num is num and stored.idx is idx
