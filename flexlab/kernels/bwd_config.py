@@ -42,7 +42,16 @@ call (128 at D=64 where it pays, see `D64_TILE_M`):
                   dQ writer; the deterministic mode's ordered waits move to that warp too). On by default: main
                   kernel 1.01-1.20x faster on all 12 swept rows (D=64 and 128; dense, causal, sliding window,
                   documents, soft-cap) and 1.03-1.29x in deterministic mode (bwd_dq_warp_h200_2026-11-30.json,
-                  bwd_dq_warp_rows_h200_2026-11-30.json); gallery backward spills 1148 -> 584 bytes.
+                  bwd_dq_warp_rows_h200_2026-11-30.json); gallery backward spills 1148 -> 584 bytes;
+  lpt_order       block-sparse, outside deterministic mode: the CTAs run KV tiles in an order the launcher hands
+                  over (`bwd_launch.QLists.tile_order`): the (batch, KV head) pairs are cut into a few even groups
+                  whose Q, dO and dQ sums fit in L2 together (`LPT_GROUP_L2_BYTES`), and inside a group the tiles
+                  that visit the most Q tiles go first. Launched head by head, the longest tiles of the last heads
+                  (a causal mask's first KV tile, a long document's) started last and ran alone at the end. H200,
+                  forward + backward kernel time against the head-by-head order in the same process
+                  (benchmarks/results/fwd_bwd_lpt_order_h200_2026-11-30.json and ..._off_...): causal B4·S4k 1.09x,
+                  documents B1·S16k 1.08x, sliding window B4·S4k 1.02x, causal B1·S16k 1.01x, documents B4·S4k
+                  1.00x. Groups cut unevenly (a last group of one head) lose to the plain order, hence even groups.
 """
 from __future__ import annotations
 
@@ -60,6 +69,10 @@ D64_TILE_M = 128
 # diffusion, 2-D neighbourhood and sliding-tile masks (19-39 operations) spilled 240-500 bytes, none at 64 rows
 # (benchmarks/results/gallery_backward_spills_2026-11-30.json).
 D64_MAX_MASK_OPS = 12
+# Block-sparse backward kernels run their KV tiles longest-first within L2-sized head groups (`lpt_order`).
+LPT_ORDER = True
+# `lpt_order`: bytes of Q, dO and the fp32 dQ sums one group of (batch, KV head) pairs may hold in L2 together.
+LPT_GROUP_L2_BYTES = 48 << 20
 
 
 @dataclass(frozen=True)
@@ -76,6 +89,7 @@ class BwdConfig:
     mask_early: bool = False
     early_dv: bool = False
     dq_warp: bool = True
+    lpt_order: bool = False  # block-sparse only, never with deterministic mode (see the module docstring)
     # Block-sparse only: partial blocks read their mask from bits stored by the launcher (`runtime.mask_bits`, rows =
     # keys, 64 or 128 query columns) instead of evaluating mask_mod; chosen where the forward's are
     # (`kernels.config.STORE_MASK_BITS`: masks that read captured tensors).
@@ -169,6 +183,7 @@ def default_bwd_config(head_dim: int, deterministic: bool = False, mod_grads: bo
       derivative or captured-tensor gradients (`mod_grads`) or evaluates a mask_mod of more than
       `D64_MAX_MASK_OPS` operations (`mask_ops`), and when the block mask's Q block (`q_block`, None without a mask)
       is a multiple of 128;
+    - with a block mask outside deterministic mode, `lpt_order` (`LPT_ORDER`);
     - with those 128-row steps, `dq_split_rows`: each consumer warpgroup forms 64 rows of dQ over all 64 columns
       (wgmma N = 64, not 32). Main kernel 1.01x dense, 1.05-1.07x causal, sliding window and documents at B1·S16k,
       1.02x deterministic causal (benchmarks/results/bwd_d64_rows_h200_2026-11-30.json); at 64-row steps it does
@@ -179,7 +194,8 @@ def default_bwd_config(head_dim: int, deterministic: bool = False, mod_grads: bo
             and (q_block is None or q_block % D64_TILE_M == 0)):
         tile_m = D64_TILE_M
     return BwdConfig(head_dim=head_dim, tile_m=tile_m, kv_tiles_first=not deterministic,
-                     dq_split_rows=head_dim == 64 and tile_m == 64 * 2)
+                     dq_split_rows=head_dim == 64 and tile_m == 64 * 2,
+                     lpt_order=LPT_ORDER and not deterministic and q_block is not None)
 
 
 def shares_block_mask_with_forward(head_dim: int, block_size: int = 128) -> bool:
@@ -217,6 +233,8 @@ def candidate_bwd_configs(head_dim: int, deterministic: bool = False,
     }
     if deterministic:  # `neither` is then the other order with global stats: not a new question
         del cands["neither"]
+    else:  # block-sparse rows only (the launcher drops it without a block mask)
+        cands["natural_order" if base.lpt_order else "lpt_order"] = replace(base, lpt_order=not base.lpt_order)
     if head_dim == 64:
         rows128 = replace(base, tile_m=128, dq_split_rows=True)
         if base.tile_m == 128:

@@ -224,6 +224,16 @@ class QLists:
     def __init__(self, tensors: tuple, owners: tuple):
         self.tensors, self._owners = tensors, owners
         self._ranks: dict[int, torch.Tensor] = {}
+        self._orders: dict[tuple, torch.Tensor] = {}
+
+    def tile_order(self, batch: int, kv_heads: int, qhead_per_kvhead: int, seqlen_q: int, head_dim: int):
+        """`BwdConfig.lpt_order`'s CTA order for these lists, built once per shape (`lpt_tile_order`)."""
+        key = (batch, kv_heads, qhead_per_kvhead, seqlen_q, head_dim)
+        hit = self._orders.get(key)
+        if hit is None:
+            hit = self._orders[key] = lpt_tile_order(self.tensors, batch, kv_heads, qhead_per_kvhead, seqlen_q,
+                                                     head_dim)
+        return hit
 
     def ranks(self, num_m_tiles: int) -> torch.Tensor:
         hit = self._ranks.get(num_m_tiles)
@@ -247,6 +257,36 @@ def _cached_q_direction(block_mask: list, block_size: list, cfg: BwdConfig, seql
             _Q_LISTS.popitem(last=False)
     _Q_LISTS.move_to_end(key)
     return hit
+
+
+def lpt_tile_order(sparse: tuple, batch: int, kv_heads: int, qhead_per_kvhead: int, seqlen_q: int,
+                   head_dim: int) -> torch.Tensor:
+    """(batch * kv_heads * KV tiles, 3) int32 rows (KV tile, KV head, batch): the CTA order of `lpt_order`.
+
+    A CTA's work is the number of Q tiles its KV tile visits, summed over the query heads of its KV head. The
+    (batch, KV head) pairs, batch-major, are cut into the fewest even groups whose Q, dO (16 bit) and fp32 dQ sums
+    fit in `LPT_GROUP_L2_BYTES` together; inside a group the KV tiles go longest first, ties in (head, tile) order."""
+    from .bwd_config import LPT_GROUP_L2_BYTES
+    num, _, fnum, _ = sparse
+    Bm, Hm, n_kv = num.shape
+    device = num.device
+    visits = (num + fnum).long()  # (Bm, Hm, KV tiles): Q tiles each KV tile walks
+    q_heads = kv_heads * qhead_per_kvhead
+    b_of, h_of = torch.arange(batch, device=device) % Bm, torch.arange(q_heads, device=device) % Hm
+    work = visits[b_of][:, h_of].view(batch, kv_heads, qhead_per_kvhead, n_kv).sum(2)  # (B, Hkv, KV tiles)
+    pairs = batch * kv_heads
+    per_pair = qhead_per_kvhead * seqlen_q * head_dim * (2 + 2 + 4)
+    groups = -(-pairs // max(1, LPT_GROUP_L2_BYTES // per_pair))
+    bounds = [round(i * pairs / groups) for i in range(groups + 1)]
+    work = work.reshape(pairs * n_kv)
+    ids = torch.arange(pairs * n_kv, device=device)
+    chunks = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        part = ids[lo * n_kv:hi * n_kv]
+        chunks.append(part[torch.sort(work[part], descending=True, stable=True).indices])
+    flat = torch.cat(chunks)
+    pair, tile = flat // n_kv, flat % n_kv
+    return torch.stack((tile, pair % kv_heads, pair // kv_heads), dim=1).to(torch.int32).contiguous()
 
 
 def visit_ranks(sparse: tuple, num_m_tiles: int) -> torch.Tensor:
@@ -374,14 +414,18 @@ def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, bloc
         if t.device != dev:
             raise BackendUnavailableError(f"captured tensor '{g.aux_tensor_names[i]}' is on {t.device} but the inputs "
                                           f"are on {dev}; move it with .to({str(dev)!r}) before building the mods")
-    masks = bits = None
+    masks = bits = tile_order = None
     pad = cfg.tile_m
+    if not block_mask and cfg.lpt_order:  # (an explicit configuration: without block lists all tiles are alike)
+        cfg = replace(cfg, lpt_order=False)
     if block_mask:
         masks = _cached_q_direction(block_mask, block_size, cfg, Skv)
         pad = math.lcm(cfg.tile_m, int(block_size[0]))  # listed Q tiles may run past Sq up to a mask block
         bits = stored_bits(entry, masks, cfg, B, Hq, Sq, Skv)
         if bits is not None:
             cfg = with_mask_bits(cfg)
+        if cfg.lpt_order:
+            tile_order = masks.tile_order(B, Hkv, Hq // Hkv, Sq, D)
     kernels = _kernels(g, entry.grad_slots, kernel_aux, q.dtype, cfg, masks is not None, dlse is not None,
                        deterministic, arch)
 
@@ -407,7 +451,7 @@ def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, bloc
     if masks is not None:  # with stored bits: their partial lists (empty blocks dropped), then the words
         sparse = masks.tensors if bits is None else (bits.num, bits.idx) + masks.tensors[2:] + (bits.words,)
     kernels.main(q, k, v, dout, lse2, dpsum, dq_accum, dk, dv, scale, Hq // Hkv, sparse, kernel_aux, scalars, grads,
-                 sem, rank)
+                 sem, rank, tile_order)
     kernels.post(dq_accum, dq, scale)
     if kernels.grad_dtype == torch.int64:
         from .bwd_aux_grad import from_fixed_point

@@ -24,6 +24,9 @@ the host launch, the role split, the consumer loop and the dK/dV epilogue.
 Query-direction block sparsity comes from torch's BlockMask (q_num_blocks/q_indices and the full_* pair), walked by
 the forward's `KvSchedule` with the roles of Q and KV swapped: partial blocks (mask_mod) first, then full blocks.
 
+CTA order: KV tiles first (the CTAs of one head side by side, sharing Q and dO in L2); with a block mask outside
+deterministic mode, the launcher's longest-first order within L2-sized head groups (`BwdConfig.lpt_order`).
+
 Deterministic mode: dK/dV are already run-to-run identical (one CTA, fixed order). dQ partials are fp32 sums over KV
 tiles, so their order is fixed: before the TMA reduce-add of a warpgroup's partial into Q tile m, the issuing warp
 waits (acquire) until a semaphore for (batch, head, m, half) equals the number of lower KV tiles that visit m
@@ -76,6 +79,8 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         # Deterministic: the dQ partials of one query tile are reduced in increasing KV-tile order (a semaphore per
         # tile and warpgroup half), so the fp32 sums, and so dQ, are the same bits on every run.
         self.deterministic = deterministic
+        if deterministic and cfg.lpt_order:
+            raise ValueError("lpt_order reorders KV tiles; deterministic mode needs each head's tiles in launch order")
         self.tile_m, self.tile_n, self.head_dim = cfg.tile_m, cfg.tile_n, cfg.head_dim
         self.mask_early = cfg.mask_early
         self.num_stages = cfg.num_stages
@@ -128,11 +133,12 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE2: cute.Tensor,
                  mDpsum: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                  softmax_scale: Float32, qhead_per_kvhead: Int32, sparse, aux_tensors: tuple, aux_scalars: tuple,
-                 aux_grads: tuple, mdQsem, mRank, stream: cuda.CUstream):
+                 aux_grads: tuple, mdQsem, mRank, mTileOrder, stream: cuda.CUstream):
         """mQ/mdO (B, Hq, Sq, D), mK/mV/mdK/mdV (B, Hkv, Skv, D); mLSE2/mDpsum (B, Hq, Sq_pad) and mdQaccum
         (B, Hq, Sq_pad, D) fp32 with Sq_pad a multiple of tile_m; `sparse` = Q-direction block lists or None.
         Deterministic mode: mdQsem (B, Hq, Sq_pad / tile_m, consumer warpgroups) int32 zeros, and with a block mask
-        mRank (Bm, Hm, KV tiles, Q tiles) int32: how many lower KV tiles visit that Q tile."""
+        mRank (Bm, Hm, KV tiles, Q tiles) int32: how many lower KV tiles visit that Q tile. With `lpt_order`,
+        mTileOrder (B * Hkv * KV tiles, 3) int32: the (KV tile, KV head, batch) CTA i works on."""
         mQ, mK, mV, mdO, mdK, mdV = [bshd_view(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]
         tile_m, tile_n, hd = self.tile_m, self.tile_n, self.head_dim
         mdQlines = dq_accum_lines(mdQaccum, hd)
@@ -180,10 +186,12 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         grid = [cute.size(mK.shape[2]), cute.size(mK.shape[3]), cute.ceil_div(mK.shape[0], tile_n)]
         if cutlass.const_expr(self.kv_tiles_first):
             grid = [cute.ceil_div(mK.shape[0], tile_n), cute.size(mK.shape[2]), cute.size(mK.shape[3])]
+        if cutlass.const_expr(mTileOrder is not None):  # one CTA per row of the launcher's order
+            grid = [cute.size(mTileOrder.shape[0]), 1, 1]
         self.kernel(mQ_t, mK_t, mV_t, mdO_t, mdK_t, mdV_t, mdQ_t, mLSE2, mDpsum, tma_q, tma_k, tma_v, tma_do,
                     tma_dk, tma_dv, tma_dq, softmax_scale, log2_scale, qhead_per_kvhead, sparse, aux_tensors,
-                    aux_scalars, aux_grads, mdQsem, mRank, sKV_layout, sQ_layout, sdS_layout, sdQ_layout,
-                    tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, Storage).launch(
+                    aux_scalars, aux_grads, mdQsem, mRank, mTileOrder, sKV_layout, sQ_layout, sdS_layout,
+                    sdQ_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, Storage).launch(
             grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     # ------------------------------------------------------------------ device side
@@ -193,7 +201,7 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
                tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_do: cute.CopyAtom,
                tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom, tma_dq: cute.CopyAtom, softmax_scale: Float32,
                log2_scale: Float32, qhead_per_kvhead: Int32, sparse, aux_tensors, aux_scalars, aux_grads, mdQsem,
-               mRank,
+               mRank, mTileOrder,
                sKV_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
                sdQ_layout: cute.Layout, tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma,
                tiled_mma_dq: cute.TiledMma, Storage: cutlass.Constexpr):
@@ -227,11 +235,17 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         if cutlass.const_expr(self.stats_in_smem):
             rows = cute.make_layout((self.tile_m, self.num_stages))
             stats = (mLSE2, mDpsum, storage.sLSE2.get_tensor(rows), storage.sDpsum.get_tensor(rows))
-        if cutlass.const_expr(self.kv_tiles_first):
-            n_block, head_kv, batch = cute.arch.block_idx()
+        if cutlass.const_expr(mTileOrder is not None):  # `lpt_order`: the launcher's (KV tile, head, batch)
+            work, _, _ = cute.arch.block_idx()
+            n_block = Int32(mTileOrder[work, 0])
+            head_kv = Int32(mTileOrder[work, 1])
+            batch = Int32(mTileOrder[work, 2])
         else:
-            head_kv, batch, n_block = cute.arch.block_idx()
-        head_kv, batch, n_block = Int32(head_kv), Int32(batch), Int32(n_block)
+            if cutlass.const_expr(self.kv_tiles_first):
+                n_block, head_kv, batch = cute.arch.block_idx()
+            else:
+                head_kv, batch, n_block = cute.arch.block_idx()
+            head_kv, batch, n_block = Int32(head_kv), Int32(batch), Int32(n_block)
         num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
         pipeline.pipeline_init_wait()
 
@@ -407,5 +421,6 @@ def fake_arguments(cfg: BwdConfig, dtype, block_sparse: bool = False, aux_tensor
                       for rank in aux_grad_ranks)
     sem = compact(Int32, (sym(), sym(), sym(), cfg.num_consumer_wgs)) if deterministic else None
     rank = compact(Int32, (sym(), sym(), sym(), sym())) if deterministic and block_sparse else None
+    tile_order = compact(Int32, (sym(), 3)) if cfg.lpt_order and block_sparse else None
     return (bhsd(), bhsd(), bhsd(), bhsd(), rows, rows, accum, bhsd(), bhsd(), Float32(1.0), Int32(1), sparse,
-            aux_tensors, aux_scalars, aux_grads, sem, rank, make_fake_stream(use_tvm_ffi_env_stream=True))
+            aux_tensors, aux_scalars, aux_grads, sem, rank, tile_order, make_fake_stream(use_tvm_ffi_env_stream=True))

@@ -87,13 +87,13 @@ def _candidates(D: int, deterministic: bool, kind: str):
 
 def case_list() -> list[str]:
     cases = []
-    for name, D, _, _, kind in ROWS:
-        cases += [f"{name}/{v}" for v in _candidates(D, False, kind)]
+    for name, D, _, _, kind in ROWS:  # (the CTA order of a block mask's tiles means nothing without one)
+        cases += [f"{name}/{v}" for v in _candidates(D, False, kind) if kind != "dense" or v != "lpt_order"]
     for name in DETERMINISTIC_ROWS:
         _, D, _, _, kind = next(r for r in ROWS if r[0] == name)
         cases += [f"{name}/{v}/det" for v in DETERMINISTIC_VARIANTS if v in _candidates(D, True, kind)]
     for name, D, _, _, kind in SCORE_MOD_ROWS:
-        cases += [f"{name}/{v}" for v in _candidates(D, False, kind)]
+        cases += [f"{name}/{v}" for v in _candidates(D, False, kind) if v != "lpt_order"]
     return cases
 
 

@@ -7,7 +7,7 @@ Each backend is prepared and called exactly as the benchmark times it (`flexlab.
 fresh gradients, L2 flushed before every call). After warm-up, `STEPS` calls run back to back under torch.profiler.
 Per call it reports the GPU time (kernels summed, the flush excluded), the span from the end of the flush to the end
 of the call's last kernel, and every gap between consecutive kernels longer than `GAP_US`, with the kernels on either
-side and the host ops that were running during it. The benchmark's wall-clock time minus kernel time is this idle
+side and the host ops that were running during it, and each kernel's own time (median over the calls). The benchmark's wall-clock time minus kernel time is this idle
 time. Host calls that block the CPU on the GPU (synchronisations, cudaMalloc/cudaFree, copies to the host) are
 counted per call, and torch's sync debug mode names any torch op that synchronises.
 """
@@ -81,8 +81,14 @@ def _analyse(gpu: list, host: list, flush_name: str) -> dict:
         t1 = gpu[i1][0] if i1 < len(gpu) else ks[-1][1]
         blocking = [hn for hb, he, hn in host if t0 <= hb < t1 and any(s in hn for s in BLOCKING)]
         out["calls"].append({"gpu_us": round(busy, 1), "span_us": round(span, 1), "idle_us": round(span - busy, 1),
-                             "kernels": len(ks), "gaps": gaps, "blocking_host_calls": sorted(set(blocking))})
+                             "kernels": len(ks), "gaps": gaps, "blocking_host_calls": sorted(set(blocking)),
+                             "per_kernel": [(n[:90], round(e - b, 1)) for b, e, n in ks]})
     idle = [c["idle_us"] for c in out["calls"]]
+    # each kernel of a step (in launch order) with its median time over the calls that launched the same sequence
+    calls = [c["per_kernel"] for c in out["calls"]]
+    same = [c for c in calls if calls and [n for n, _ in c] == [n for n, _ in calls[0]]]
+    out["kernel_breakdown"] = [(name, statistics.median(c[i][1] for c in same))
+                               for i, (name, _) in enumerate(same[0])] if same else []
     out["median_idle_us"] = statistics.median(idle) if idle else None
     out["median_gpu_us"] = statistics.median(c["gpu_us"] for c in out["calls"]) if idle else None
     return out
@@ -121,6 +127,8 @@ def main(path: str, variant: str = "dense", B: int = 4, S: int = 4096, D: int = 
         print(f"{name}: GPU {r['median_gpu_us']:.0f} us, idle inside the call {r['median_idle_us']:.0f} us, "
               f"{len(r['sync_warnings'])} sync warnings, blocking host calls "
               f"{r['calls'][0]['blocking_host_calls'] if r['calls'] else []}", flush=True)
+        for kernel, us in r["kernel_breakdown"]:
+            print(f"    {us:8.1f} us  {kernel[:80]}", flush=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
 

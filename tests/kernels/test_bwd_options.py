@@ -183,7 +183,10 @@ def test_sweep_lists_every_candidate_and_reports_a_hang(tmp_path):
     for name, D, _, _, kind in ROWS + SCORE_MOD_ROWS:
         mine = [c for c in cases if c.startswith(name + "/") and not c.endswith("/det")]
         mod_grads = kind == "softcap"  # its derivative: the candidates around the 64-row default at D=64
-        assert mine[0] == f"{name}/default" and len(mine) == len(candidate_bwd_configs(D, mod_grads=mod_grads))
+        # (rows without a block mask leave out the CTA order of its tiles)
+        expected = set(candidate_bwd_configs(D, mod_grads=mod_grads)) - ({"lpt_order"} if kind in ("dense", "softcap")
+                                                                         else set())
+        assert mine[0] == f"{name}/default" and {c.split("/")[1] for c in mine} == expected
     from bwd_perf_sweep import DETERMINISTIC_ROWS, DETERMINISTIC_VARIANTS
     det_cases = [c for c in cases if c.endswith("/det")]
     assert det_cases and all(c.split("/")[0] in DETERMINISTIC_ROWS for c in det_cases)

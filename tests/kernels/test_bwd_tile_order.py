@@ -1,0 +1,82 @@
+"""The backward's CTA order with a block mask (`BwdConfig.lpt_order`, `bwd_launch.lpt_tile_order`): every
+(KV tile, KV head, batch) once, head groups that fit the L2 budget, longest tiles first inside a group (CPU only)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from flexlab.kernels import bwd_config
+from flexlab.kernels.bwd_config import BwdConfig, default_bwd_config
+from flexlab.kernels.bwd_launch import lpt_tile_order, q_direction_tensors
+from flexlab.mask.build import create_block_mask
+
+
+def _lists(mask_mod, B, H, S, cfg):
+    bm = create_block_mask(mask_mod, B, H, S, S)
+    lists = [bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices, bm.q_num_blocks,
+             bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices]
+    return q_direction_tensors(lists, bm.BLOCK_SIZE, cfg, S)
+
+
+def _work(sparse, b, h_q):
+    num, _, fnum, _ = sparse
+    return (num + fnum)[b % num.shape[0], h_q % num.shape[1]]
+
+
+@pytest.mark.parametrize("B,Hkv,qpk,S,per_head", [(4, 16, 1, 4096, False), (1, 4, 4, 2048, True),
+                                                  (2, 3, 2, 1024, True)])
+def test_order_is_a_grouped_longest_first_permutation(B, Hkv, qpk, S, per_head, monkeypatch):
+    cfg = BwdConfig(head_dim=128)
+    window = torch.tensor([64, 300, 900, 2000]).repeat(Hkv * qpk)
+
+    def mask_mod(b, h, q_idx, kv_idx):  # causal, and per head a window of its own where the lists vary by head
+        return (q_idx >= kv_idx) & ((q_idx - kv_idx <= window[h]) if per_head else (q_idx >= 0))
+    sparse = _lists(mask_mod, None, Hkv * qpk if per_head else None, S, cfg)
+    budget = 2 * qpk * S * 128 * 8  # two (batch, KV head) pairs per group at most
+    monkeypatch.setattr(bwd_config, "LPT_GROUP_L2_BYTES", budget)
+    order = lpt_tile_order(sparse, B, Hkv, qpk, S, 128)
+    n_kv = S // 128
+    assert order.dtype == torch.int32 and order.shape == (B * Hkv * n_kv, 3) and order.is_contiguous()
+    triples = [tuple(r) for r in order.tolist()]
+    assert sorted(triples) == sorted((n, h, b) for b in range(B) for h in range(Hkv) for n in range(n_kv))
+    pairs = B * Hkv
+    groups = -(-pairs // 2)
+    bounds = [round(i * pairs / groups) for i in range(groups + 1)]
+    start = 0
+    for lo, hi in zip(bounds, bounds[1:]):
+        chunk = triples[start:start + (hi - lo) * n_kv]
+        start += len(chunk)
+        assert {b * Hkv + h for _, h, b in chunk} == set(range(lo, hi))  # a group's pairs, and only those
+        work = [sum(int(_work(sparse, b, h * qpk + g)[n]) for g in range(qpk)) for n, h, b in chunk]
+        assert work == sorted(work, reverse=True)
+        ties = [(b * Hkv + h, n) for (n, h, b), w in zip(chunk, work) if w == work[0]]
+        assert ties == sorted(ties)  # equal work keeps (head, tile) order
+
+
+def test_the_launcher_orders_block_sparse_tiles_outside_deterministic_mode():
+    assert default_bwd_config(128, q_block=128).lpt_order
+    assert not default_bwd_config(128).lpt_order  # no block mask: every KV tile walks every Q tile
+    assert not default_bwd_config(128, deterministic=True, q_block=128).lpt_order
+    with pytest.raises(ValueError, match="lpt_order"):
+        from flexlab.kernels.bwd_sm90 import FlexBwdSm90
+        import cutlass
+        FlexBwdSm90(dataclasses.replace(default_bwd_config(128, q_block=128)), cutlass.BFloat16,
+                    deterministic=True)
+
+
+def test_groups_follow_the_l2_budget():
+    # 4 MiB of Q, dO and dQ sums per (batch, head) at S=4096, D=128: 48 MiB hold 12 pairs, so 64 pairs make 6 even
+    # groups, each a contiguous run of the order holding its pairs' tiles only
+    cfg = BwdConfig(head_dim=128)
+    sparse = _lists(lambda b, h, q, kv: q >= kv, None, None, 4096, cfg)
+    order = lpt_tile_order(sparse, 4, 16, 1, 4096, 128)
+    pair = (order[:, 2] * 16 + order[:, 1]).tolist()
+    prefix_max = list(torch.tensor(pair).cummax(0).values.tolist())
+    suffix_min = list(reversed(torch.tensor(pair[::-1]).cummin(0).values.tolist()))
+    cuts = [i for i in range(1, len(pair)) if prefix_max[i - 1] < suffix_min[i]]
+    assert bwd_config.LPT_GROUP_L2_BYTES == 48 << 20
+    assert len(cuts) + 1 == 6
+    sizes = [b - a for a, b in zip([0] + cuts, cuts + [len(pair)])]
+    assert {s // 32 for s in sizes} == {10, 11}  # 32 KV tiles per pair
