@@ -107,7 +107,10 @@ class FwdConfig:
     mask_bits: bool = False
     # The K/V stage index of each overlapped step marked warp-uniform where the wgmma descriptors are formed (as the
     # backward does): ptxas then keeps more of the descriptor arithmetic in 64-bit uniform adds. CPU compile, dense
-    # D=128 step: 481 -> 467 SASS instructions with dynamic tiles, 449 -> 452 one CTA per tile. Unmeasured on a GPU.
+    # D=128 step: 481 -> 467 SASS instructions with dynamic tiles, 449 -> 452 one CTA per tile. H200 sweep
+    # (benchmarks/results/fwd_uniform_stage_sweep_h200_2026-11-30.json): 0.94-1.00x of the baseline on the D=128
+    # dense, causal, ALiBi and soft-cap rows, with dynamic tiles 0.89-1.01x; no row faster beyond the baseline's own
+    # spread (its repeat read 0.86-1.01x in that run). Kept off.
     uniform_stage: bool = False
     # Dense grids only: two CTAs with neighbouring Q tiles of one head form a cluster, and each loads half of every
     # K/V block and multicasts it to both, halving K/V traffic from L2. Nsight, dense B4 S4k: our kernel moved 4.1 GB
