@@ -277,14 +277,13 @@ def lpt_tile_order(sparse: tuple, batch: int, kv_heads: int, qhead_per_kvhead: i
     pairs = batch * kv_heads
     per_pair = qhead_per_kvhead * seqlen_q * head_dim * (2 + 2 + 4)
     groups = -(-pairs // max(1, LPT_GROUP_L2_BYTES // per_pair))
-    bounds = [round(i * pairs / groups) for i in range(groups + 1)]
-    work = work.reshape(pairs * n_kv)
-    ids = torch.arange(pairs * n_kv, device=device)
-    chunks = []
-    for lo, hi in zip(bounds, bounds[1:]):
-        part = ids[lo * n_kv:hi * n_kv]
-        chunks.append(part[torch.sort(work[part], descending=True, stable=True).indices])
-    flat = torch.cat(chunks)
+    bounds = [round(i * pairs / groups) for i in range(groups + 1)]  # even groups (sizes differ by one at most)
+    group = torch.tensor([g for g in range(groups) for _ in range(bounds[g + 1] - bounds[g])], device=device)
+    work = work.reshape(pairs, n_kv)
+    # one stable sort: by group, then most work first, then (pair, tile) order
+    top = qhead_per_kvhead * seqlen_q + 1  # above any count of Q tiles (read without a device sync)
+    key = group[:, None] * top + (top - 1 - work)
+    flat = torch.sort(key.reshape(-1), stable=True).indices
     pair, tile = flat // n_kv, flat % n_kv
     return torch.stack((tile, pair % kv_heads, pair // kv_heads), dim=1).to(torch.int32).contiguous()
 

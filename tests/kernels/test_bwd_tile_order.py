@@ -43,7 +43,7 @@ def test_order_is_a_grouped_longest_first_permutation(B, Hkv, qpk, S, per_head, 
     assert sorted(triples) == sorted((n, h, b) for b in range(B) for h in range(Hkv) for n in range(n_kv))
     pairs = B * Hkv
     groups = -(-pairs // 2)
-    bounds = [round(i * pairs / groups) for i in range(groups + 1)]
+    bounds = [round(g * pairs / groups) for g in range(groups + 1)]  # even groups, sizes differing by one at most
     start = 0
     for lo, hi in zip(bounds, bounds[1:]):
         chunk = triples[start:start + (hi - lo) * n_kv]
