@@ -361,11 +361,13 @@ def test_d64_heavy_masks_keep_64_row_steps_without_spills():
 # Backward spill bytes (stores, loads) of the gallery kernels that spill or once did, with the launcher's
 # configuration, trainable tensors requiring grad and a block mask at 128 (benchmarks/results/
 # gallery_backward_spills_2026-11-30c.json: dQ slab in fragment order, dk_after_dq): a ceiling, so a change that makes
-# them worse fails here; lowering them is open work.
+# them worse fails here; lowering them is open work. natten_2d_dilated D=128 went 244/252 -> 248/256 with the
+# block-sparse CTA order (`BwdConfig.lpt_order`): the KV tile, head and batch are loaded from the order table, so
+# ptxas can no longer re-read them from the block index and keeps one more value live.
 GALLERY_BWD_SPILL_CEILINGS = {
     ("attention_sinks", 64): (0, 0), ("bigbird", 64): (4, 8), ("bigbird", 128): (12, 12),
     ("block_diffusion", 128): (52, 56), ("flamingo_cross", 64): (0, 0), ("natten_2d", 128): (0, 0),
-    ("natten_2d_dilated", 128): (244, 252), ("prefix_lm", 64): (0, 0), ("shared_prefix", 64): (12, 16),
+    ("natten_2d_dilated", 128): (248, 256), ("prefix_lm", 64): (0, 0), ("shared_prefix", 64): (12, 16),
     ("shared_prefix", 128): (0, 0), ("tree_attention", 64): (16, 24), ("tree_attention", 128): (0, 0)}
 
 
