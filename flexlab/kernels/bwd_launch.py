@@ -25,6 +25,7 @@ import torch
 
 from ..errors import BackendUnavailableError
 from ..runtime.disk_cache import KernelCache, StampedKey, source_fingerprint
+from . import bwd_config
 from .bwd_config import BwdConfig, default_bwd_config
 
 _DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -266,7 +267,6 @@ def lpt_tile_order(sparse: tuple, batch: int, kv_heads: int, qhead_per_kvhead: i
     A CTA's work is the number of Q tiles its KV tile visits, summed over the query heads of its KV head. The
     (batch, KV head) pairs, batch-major, are cut into the fewest even groups whose Q, dO (16 bit) and fp32 dQ sums
     fit in `LPT_GROUP_L2_BYTES` together; inside a group the KV tiles go longest first, ties in (head, tile) order."""
-    from .bwd_config import LPT_GROUP_L2_BYTES
     num, _, fnum, _ = sparse
     Bm, Hm, n_kv = num.shape
     device = num.device
@@ -276,7 +276,7 @@ def lpt_tile_order(sparse: tuple, batch: int, kv_heads: int, qhead_per_kvhead: i
     work = visits[b_of][:, h_of].view(batch, kv_heads, qhead_per_kvhead, n_kv).sum(2)  # (B, Hkv, KV tiles)
     pairs = batch * kv_heads
     per_pair = qhead_per_kvhead * seqlen_q * head_dim * (2 + 2 + 4)
-    groups = -(-pairs // max(1, LPT_GROUP_L2_BYTES // per_pair))
+    groups = -(-pairs // max(1, bwd_config.LPT_GROUP_L2_BYTES // per_pair))
     bounds = [round(i * pairs / groups) for i in range(groups + 1)]  # even groups (sizes differ by one at most)
     group = torch.tensor([g for g in range(groups) for _ in range(bounds[g + 1] - bounds[g])], device=device)
     work = work.reshape(pairs, n_kv)
@@ -312,7 +312,8 @@ def with_mask_bits(cfg: BwdConfig) -> BwdConfig:
 
 def stored_bits(entry, masks: QLists, cfg: BwdConfig, batch: int, heads: int, seqlen_q: int, seqlen_k: int):
     """The partial-block bits of `masks` for this kernel's tiles (rows = keys, `runtime.mask_bits.StoredBits`: the
-    words and the partial lists less their empty blocks), or None where the mods store none (`ModEntry.stored_masks`), the tiles are not ones the layout covers, or they are too large."""
+    words and the partial lists less their empty blocks), or None where the mods store none
+    (`ModEntry.stored_masks`), the tiles are not ones the layout covers, or they are too large."""
     store = getattr(entry, "stored_masks", None)
     if store is None or not with_mask_bits(cfg).mask_bits:
         return None
@@ -413,17 +414,19 @@ def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, bloc
         if t.device != dev:
             raise BackendUnavailableError(f"captured tensor '{g.aux_tensor_names[i]}' is on {t.device} but the inputs "
                                           f"are on {dev}; move it with .to({str(dev)!r}) before building the mods")
-    masks = bits = tile_order = None
+    masks = walk = bits = tile_order = None
     pad = cfg.tile_m
     if not block_mask and cfg.lpt_order:  # (an explicit configuration: without block lists all tiles are alike)
         cfg = replace(cfg, lpt_order=False)
     if block_mask:
-        masks = _cached_q_direction(block_mask, block_size, cfg, Skv)
+        masks = walk = _cached_q_direction(block_mask, block_size, cfg, Skv)
         pad = math.lcm(cfg.tile_m, int(block_size[0]))  # listed Q tiles may run past Sq up to a mask block
         bits = stored_bits(entry, masks, cfg, B, Hq, Sq, Skv)
         if bits is not None:
             cfg = with_mask_bits(cfg)
-        if cfg.lpt_order:
+            if bits.pruned:  # the kernel walks the lists less their empty blocks (deterministic ranks from those)
+                walk = bits.derived(lambda: QLists((bits.num, bits.idx) + masks.tensors[2:], masks._owners))
+        if cfg.lpt_order:  # (work estimated from the mask's own lists, as measured)
             tile_order = masks.tile_order(B, Hkv, Hq // Hkv, Sq, D)
     kernels = _kernels(g, entry.grad_slots, kernel_aux, q.dtype, cfg, masks is not None, dlse is not None,
                        deterministic, arch)
@@ -438,17 +441,13 @@ def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, bloc
     sem = rank = None
     if deterministic:
         sem = torch.zeros((B, Hq, sq_pad // cfg.tile_m, cfg.num_consumer_wgs), dtype=torch.int32, device=dev)
-        if masks is not None:
-            n_m = sq_pad // cfg.tile_m
-            rank = masks.ranks(n_m) if bits is None or not bits.pruned else bits.ranks(
-                n_m, lambda: visit_ranks((bits.num, bits.idx) + masks.tensors[2:], n_m))
+        if walk is not None:
+            rank = walk.ranks(sq_pad // cfg.tile_m)
     scalars = g.kernel_aux_scalar_values(aux_scalars) if g is not None else ()
 
     # Argument order = the kernels' __call__ signatures; None for an input compiled as absent.
     kernels.pre(out, dout, lse.contiguous(), dlse.contiguous() if dlse is not None else None, dpsum, lse2)
-    sparse = None
-    if masks is not None:  # with stored bits: their partial lists (empty blocks dropped), then the words
-        sparse = masks.tensors if bits is None else (bits.num, bits.idx) + masks.tensors[2:] + (bits.words,)
+    sparse = None if walk is None else walk.tensors if bits is None else walk.tensors + (bits.words,)
     kernels.main(q, k, v, dout, lse2, dpsum, dq_accum, dk, dv, scale, Hq // Hkv, sparse, kernel_aux, scalars, grads,
                  sem, rank, tile_order)
     kernels.post(dq_accum, dq, scale)

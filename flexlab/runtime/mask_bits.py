@@ -121,18 +121,18 @@ class StoredBits:
     """What a kernel reading stored bits walks: `words` (the layout above) and its partial lists `num`/`idx`, which
     are the caller's lists less the blocks whose bits are all zero (`pruned` says whether any were)."""
 
-    __slots__ = ("words", "num", "idx", "pruned", "_ranks")
+    __slots__ = ("words", "num", "idx", "pruned", "_derived")
 
     def __init__(self, words: torch.Tensor, num: torch.Tensor, idx: torch.Tensor, pruned: bool):
         self.words, self.num, self.idx, self.pruned = words, num, idx, pruned
-        self._ranks: dict = {}
+        self._derived = None
 
-    def ranks(self, key, compute):
-        """A table derived from these lists (the backward's deterministic visit ranks), computed once per key."""
-        hit = self._ranks.get(key)
-        if hit is None:
-            hit = self._ranks[key] = compute()
-        return hit
+    def derived(self, build):
+        """An object a launcher builds from these lists (the backward's `QLists` of the pruned lists), built once and
+        kept with the bits, so it lives and is rebuilt exactly as they are."""
+        if self._derived is None:
+            self._derived = build()
+        return self._derived
 
 
 def drop_empty_blocks(num: torch.Tensor, idx: torch.Tensor, words: torch.Tensor) -> StoredBits:
