@@ -31,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tiny shapes (B1 H2 S256) and short timing: checks the harness, measures nothing useful")
     p.add_argument("--warmup-ms", type=float, default=None, help="do_bench warm-up per measurement (default 25)")
     p.add_argument("--rep-ms", type=float, default=None, help="do_bench repetition time per measurement (default 100)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="time a row's backends in turns over this many rounds, each in a rotated order, and keep "
+                        "each one's median round (default 5; 1 = one backend after the other)")
     p.add_argument("--time-budget", type=float, default=None,
                    help="seconds after which no new backend/row is started (the rest is marked skipped)")
     p.add_argument("--resume", default=None, metavar="JSON",
@@ -74,11 +77,16 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     settings = Settings(backends=backends, quick=args.quick, time_budget_s=args.time_budget, label=args.label)
     if args.quick:
-        settings.warmup_ms, settings.rep_ms, settings.profile_calls = 2.0, 10.0, 2
+        settings.warmup_ms, settings.rep_ms, settings.profile_calls, settings.rounds = 2.0, 10.0, 2, 1
     if args.warmup_ms is not None:
         settings.warmup_ms = args.warmup_ms
     if args.rep_ms is not None:
         settings.rep_ms = args.rep_ms
+    if args.rounds is not None:
+        if args.rounds < 1:
+            print("error: --rounds must be at least 1", file=sys.stderr)
+            return 2
+        settings.rounds = args.rounds
     resume = None
     if args.resume and os.path.exists(args.resume):
         with open(args.resume) as f:

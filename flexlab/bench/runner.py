@@ -1,6 +1,7 @@
-"""Run benchmark rows: build each case once, check every backend against the float64 reference, then time it.
+"""Run benchmark rows: build each case once, check every backend against the float64 reference, then time them.
 
-All backends of a row see the same q, k, v (and the same upstream gradient), in one process. torch.compile caches
+All backends of a row see the same q, k, v (and the same upstream gradient), in one process, and are timed in turns
+(`timing.measure_interleaved`) once all of them are compiled and checked. torch.compile caches
 are reset between rows and its recompile limit is raised and made fatal, so torch's peers are always their compiled
 selves; the profiler's kernel names are a second guard against a silent fall-back to an unfused path.
 """
@@ -21,7 +22,7 @@ from .cases import build_case
 from .density import mask_density
 from .report import document, format_row, summarize_row, write_json, environment
 from .rows import MATMUL_CEILING_TFLOPS, FWD_BWD, Row
-from .timing import measure
+from .timing import measure, measure_interleaved
 
 
 @dataclass
@@ -34,6 +35,9 @@ class Settings:
     quick: bool = False
     label: str | None = None              # free text saved with the results (commit, machine notes)
     backends: list[str] = field(default_factory=lambda: list(peers.DEFAULT_BACKENDS))
+    # Backends of a row are timed in turns over this many rounds (`timing.measure_interleaved`); 1 = one after the
+    # other, each in one go.
+    rounds: int = 5
 
 
 def configure_dynamo() -> None:
@@ -91,18 +95,19 @@ def _timed_call(prepared: peers.Prepared, grad: bool, dout_native):
     return forward_backward
 
 
-def run_backend(name: str, row: Row, case, q, k, v, dout, block_mask, ref, flops, settings: Settings,
-                device, log=print) -> dict:
-    """One backend on one row: prepare, first call (compile), check, time. Never raises."""
-    prepare, expect = peers.PEERS[name]
+def prepare_backend(name: str, row: Row, case, q, k, v, dout, block_mask, ref, settings: Settings,
+                    device, log=print) -> tuple[dict, object]:
+    """One backend on one row: prepare, first call (compile), check. Returns (record, timed callable or None when
+    it cannot be timed). Never raises."""
+    prepare, _ = peers.PEERS[name]
     grad = row.mode == FWD_BWD
     try:
         prepared = prepare(case, q, k, v, block_mask, grad)
     except (peers.Unavailable, BackendUnavailableError) as err:
-        return {"status": "n/a", "error": str(err)}
+        return {"status": "n/a", "error": str(err)}, None
     except Exception as err:
         log(f"{name} on {row.name} failed to prepare:\n{traceback.format_exc(limit=8)}")
-        return {"status": "error", "error": _error_text(err)}
+        return {"status": "error", "error": _error_text(err)}, None
     fn = _timed_call(prepared, grad, prepared.from_bhsd(dout) if grad else None)
     record: dict = {}
     try:
@@ -117,24 +122,55 @@ def run_backend(name: str, row: Row, case, q, k, v, dout, block_mask, ref, flops
         record["rel_l2"] = verdict["rel_l2"]
         if not verdict["passed"]:
             record.update(status="wrong", error=verdict["why"])
-        timing = measure(fn, device, settings.warmup_ms, settings.rep_ms, profile_calls=settings.profile_calls)
     except (peers.Unavailable, BackendUnavailableError) as err:
-        return {"status": "n/a", "error": str(err)}
+        return {"status": "n/a", "error": str(err)}, None
     except Exception as err:
         log(f"{name} on {row.name} failed:\n{traceback.format_exc(limit=8)}")
-        return {"status": "error", "error": _error_text(err)}
+        return {"status": "error", "error": _error_text(err)}, None
+    return record, fn
+
+
+def timed_record(name: str, record: dict, timing, flops: float) -> dict:
+    """A prepared backend's record with its timing, TFLOP/s and verdict (a fall-back kernel marks it suspect)."""
+    record = dict(record)
     record["wall_ms"] = timing.wall_ms
     record["kernel_ms"] = timing.kernel_ms
     record["tflops"] = flops / (timing.wall_ms * 1e-3) / 1e12
     record["tflops_kernel"] = flops / (timing.kernel_ms * 1e-3) / 1e12 if timing.kernel_ms else None
     record["roof_pct"] = 100.0 * record["tflops"] / MATMUL_CEILING_TFLOPS
     record["kernels"] = [[n, round(ms, 4)] for n, ms in timing.kernels]
-    note = _kernel_note(expect, timing.kernels)
+    if timing.wall_rounds:
+        record["wall_ms_rounds"] = [round(x, 4) for x in timing.wall_rounds]
+        record["kernel_ms_rounds"] = [round(x, 4) for x in timing.kernel_rounds]
+    note = _kernel_note(peers.PEERS[name][1], timing.kernels)
     if "status" not in record:
         record["status"] = "suspect" if note else "ok"
     if note:
         record["note"] = note
     return {"status": record.pop("status"), **record}
+
+
+def time_backends(prepared: dict, flops: float, settings: Settings, device, log=print) -> dict:
+    """Time the prepared backends of one row together (`measure_interleaved`); a backend whose timing raises is
+    timed again alone, so its error is its own."""
+    fns = {name: fn for name, (_, fn) in prepared.items()}
+    results = {}
+    try:
+        timings = measure_interleaved(fns, device, settings.warmup_ms, settings.rep_ms, settings.rounds,
+                                      settings.profile_calls)
+    except Exception:
+        timings = {}
+        for name, fn in fns.items():
+            try:
+                timings[name] = measure(fn, device, settings.warmup_ms, settings.rep_ms,
+                                        profile_calls=settings.profile_calls)
+            except Exception as err:
+                log(f"{name} failed while timed:\n{traceback.format_exc(limit=8)}")
+                results[name] = {"status": "error", "error": _error_text(err)}
+    for name, (record, _) in prepared.items():
+        if name in timings:
+            results[name] = timed_record(name, record, timings[name], flops)
+    return results
 
 
 def _inputs(row: Row, device, seed: int):
@@ -165,6 +201,7 @@ def run_row(row: Row, settings: Settings, device: torch.device, deadline: float 
     ref = check.reference(q, k, v, case.score_mod, case.mask_mod, dout)
     record["reference_s"] = round(time.perf_counter() - t0, 3)
     results = {}
+    prepared = {}
     keep = keep or {}
     for name in settings.backends:
         if name in keep and keep[name].get("status") != "skipped":
@@ -173,11 +210,19 @@ def run_row(row: Row, settings: Settings, device: torch.device, deadline: float 
         if deadline is not None and time.monotonic() > deadline:
             results[name] = {"status": "skipped", "error": "time budget spent"}
             continue
-        results[name] = {**run_backend(name, row, case, q, k, v, dout, block_mask, ref, flops, settings, device,
-                                       log), "measured_utc": _utc_now()}
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        rec, fn = prepare_backend(name, row, case, q, k, v, dout, block_mask, ref, settings, device, log)
+        if fn is None:
+            results[name] = {**rec, "measured_utc": _utc_now()}
+        else:
+            prepared[name] = (rec, fn)
+    measured_utc = _utc_now()
+    for name, res in time_backends(prepared, flops, settings, device, log).items():
+        results[name] = {**res, "measured_utc": measured_utc}
+    del prepared
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    results = {name: results[name] for name in settings.backends if name in results}
     record["results"] = results
     summarize_row(record)
     return record

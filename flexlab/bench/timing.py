@@ -5,6 +5,10 @@ work of launching: argument checks, Python dispatch, allocator calls. Kernel tim
 the profiler sees during the calls, divided by the number of calls; the gap between the two is launch overhead,
 which dominates at small shapes. The profiler also tells which kernels ran, which is how a silent fall-back to an
 unfused path is caught.
+
+A GPU's clock drifts with its temperature and power draw over a benchmark, by a few percent, so backends timed one
+after the other are not timed on the same GPU. `measure_interleaved` times every backend of a row in turns (several
+short rounds, each in a rotated order) and keeps the median of the rounds for each.
 """
 from __future__ import annotations
 
@@ -22,6 +26,9 @@ class Timing:
     kernel_ms: float | None = None
     # (name, ms per call) of the kernels that took the most time, largest first.
     kernels: list[tuple[str, float]] = field(default_factory=list)
+    # Per-round results of an interleaved measurement (empty for a single measurement): their spread is the noise.
+    wall_rounds: list[float] = field(default_factory=list)
+    kernel_rounds: list[float] = field(default_factory=list)
 
 
 def wall_ms_cuda(fn: Callable[[], object], warmup_ms: float, rep_ms: float, grad_to_none=None) -> float:
@@ -31,6 +38,14 @@ def wall_ms_cuda(fn: Callable[[], object], warmup_ms: float, rep_ms: float, grad
 
 def kernel_profile_cuda(fn: Callable[[], object], calls: int, top: int = 4) -> tuple[float, list[tuple[str, float]]]:
     """GPU time per call from the profiler (all kernels and memsets), and the largest kernels by name."""
+    per_name = _kernel_times_cuda(fn, calls)
+    total_ms = sum(per_name.values()) / 1e3 / calls
+    largest = sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
+    return total_ms, [(name, us / 1e3 / calls) for name, us in largest]
+
+
+def _kernel_times_cuda(fn: Callable[[], object], calls: int) -> dict[str, float]:
+    """Microseconds of GPU time per kernel name over `calls` calls."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -44,9 +59,7 @@ def kernel_profile_cuda(fn: Callable[[], object], calls: int, top: int = 4) -> t
     for evt in prof.events():
         if evt.device_type == DeviceType.CUDA:
             per_name[evt.name] = per_name.get(evt.name, 0.0) + evt.time_range.elapsed_us()
-    total_ms = sum(per_name.values()) / 1e3 / calls
-    largest = sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
-    return total_ms, [(name, us / 1e3 / calls) for name, us in largest]
+    return per_name
 
 
 def wall_ms_host(fn: Callable[[], object], warmup_ms: float, rep_ms: float) -> float:
@@ -74,3 +87,34 @@ def measure(fn: Callable[[], object], device: torch.device, warmup_ms: float = 2
     wall = wall_ms_cuda(fn, warmup_ms, rep_ms, grad_to_none)
     kernel_ms, kernels = kernel_profile_cuda(fn, profile_calls)
     return Timing(wall_ms=wall, kernel_ms=kernel_ms, kernels=kernels)
+
+
+def measure_interleaved(fns: dict[str, Callable[[], object]], device: torch.device, warmup_ms: float = 25,
+                        rep_ms: float = 100, rounds: int = 5, profile_calls: int = 10, top: int = 4
+                        ) -> dict[str, Timing]:
+    """Time several callables on one GPU in turns: `rounds` rounds, each timing every callable once (wall clock
+    over rep_ms / rounds after warmup_ms, then the profiler over a few calls) in an order rotated by one each round,
+    so that no backend always runs first, last or right after a given other. Each clock keeps the median of its
+    rounds. On a CPU, or with one round or one callable, this is `measure` called on each in turn."""
+    names = list(fns)
+    if device.type != "cuda" or rounds <= 1 or len(names) < 2:
+        return {n: measure(fns[n], device, warmup_ms, rep_ms, profile_calls=profile_calls) for n in names}
+    calls = max(2, -(-profile_calls // rounds))
+    walls: dict[str, list[float]] = {n: [] for n in names}
+    kernel: dict[str, list[float]] = {n: [] for n in names}
+    by_name: dict[str, dict[str, float]] = {n: {} for n in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for n in names[shift:] + names[:shift]:
+            walls[n].append(wall_ms_cuda(fns[n], warmup_ms, rep_ms / rounds))
+            times = _kernel_times_cuda(fns[n], calls)
+            kernel[n].append(sum(times.values()) / 1e3 / calls)
+            for k, us in times.items():
+                by_name[n][k] = by_name[n].get(k, 0.0) + us
+    out = {}
+    for n in names:
+        largest = sorted(by_name[n].items(), key=lambda kv: -kv[1])[:top]
+        out[n] = Timing(wall_ms=statistics.median(walls[n]), kernel_ms=statistics.median(kernel[n]),
+                        kernels=[(k, us / 1e3 / (calls * rounds)) for k, us in largest],
+                        wall_rounds=walls[n], kernel_rounds=kernel[n])
+    return out
