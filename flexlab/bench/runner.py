@@ -28,7 +28,7 @@ from .timing import measure, measure_interleaved
 @dataclass
 class Settings:
     warmup_ms: float = 25.0
-    rep_ms: float = 100.0
+    rep_ms: float = 200.0  # split over the rounds
     profile_calls: int = 10
     time_budget_s: float | None = None   # stop starting new work after this many seconds
     seed: int = 0
