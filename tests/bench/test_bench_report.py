@@ -64,3 +64,11 @@ def test_merge_unions_backends_of_a_row_and_keeps_order():
     assert merged["rows"][1]["results"]["sdpa"]["wall_ms"] == 2.0
     assert [e["date_utc"] for e in merged["runs"]] == ["t1", "t2"]
     assert "not run: time budget spent" in format_document({**merged, "rows": [skipped]})
+
+
+def test_kernel_table_compares_kernel_times():
+    # Wall clock: flexlab 1.0 ms against FA4's 0.8 (0.80x); kernels: flexlab 0.6 against 0.72 (1.20x).
+    rec = _row(flexlab={**_ok(1.0), "kernel_ms": 0.6}, fa4={**_ok(0.8), "kernel_ms": 0.72})
+    doc = {"schema": 1, "environment": {}, "settings": {}, "matmul_ceiling_tflops": 790.0, "rows": [rec]}
+    assert "| 0.80x |" in format_markdown(doc, "wall_ms").splitlines()[2]
+    assert "| 1.20x |" in format_markdown(doc, "kernel_ms").splitlines()[2]
