@@ -67,32 +67,50 @@ def _no_grad_like(is_tensor: list[bool]):
 _ops.flex_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+class EagerCall:
+    """Everything an eager training call passes to `EagerAttention` besides the tensors autograd must see: the mods'
+    registry entry, the block mask (its object and its eight tensors, None where absent), the scale and the mode.
+
+    One plain object instead of a dozen arguments: `Function.apply` pays per argument (functorch unwrapping, input
+    bookkeeping), and the block-mask tensors never need gradients, so they need not be Function inputs."""
+
+    __slots__ = ("entry", "block_mask", "mask_tensors", "block_size", "scale", "deterministic")
+
+    def __init__(self, entry, block_mask, mask_tensors: list, block_size: list, scale: float, deterministic: bool):
+        self.entry, self.block_mask, self.mask_tensors = entry, block_mask, mask_tensors
+        self.block_size, self.scale, self.deterministic = block_size, scale, deterministic
+
+
 class EagerAttention(torch.autograd.Function):
     """The custom ops' autograd formula without the custom-op dispatch, for eager mode.
 
-    Positional inputs after the constants: the captured tensors (so that learnable ones receive gradients), then the
-    eight block-mask tensors (None where absent)."""
+    Inputs: q, k, v, the `EagerCall`, then the captured tensors (so that learnable ones receive gradients)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, entry, block_mask, block_size, scale, deterministic, num_aux, *tensors):
-        mask_tensors = list(tensors[num_aux:])
-        out, lse = _ops.attention_forward(q, k, v, entry, mask_tensors, block_size, scale, bm=block_mask)
+    def forward(ctx, q, k, v, call: EagerCall, *aux_tensors):
+        out, lse = _ops.attention_forward(q, k, v, call.entry, call.mask_tensors, call.block_size, call.scale,
+                                          bm=call.block_mask)
         ctx.set_materialize_grads(False)
-        ctx.entry, ctx.block_size, ctx.scale, ctx.deterministic = entry, block_size, scale, deterministic
-        ctx.num_aux, ctx.num_mask = num_aux, len(mask_tensors)
-        ctx.aux_scalars = list(entry.aux_scalars)
-        ctx.save_for_backward(q, k, v, out, lse, *tensors)
+        ctx.call = call
+        ctx.aux_scalars = list(call.entry.aux_scalars)  # the values this forward ran with
+        ctx.num_aux = len(aux_tensors)
+        # The block-mask tensors are saved too (not Function inputs: they never need gradients), so that editing
+        # them in place before the backward is an error instead of silently different lists.
+        ctx.save_for_backward(q, k, v, out, lse, *aux_tensors, *[t for t in call.mask_tensors if t is not None])
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse, *rest = ctx.saved_tensors
-        aux_tensors, mask_tensors = rest[:ctx.num_aux], list(rest[ctx.num_aux:])
+        call = ctx.call
+        aux_tensors, saved_masks = rest[:ctx.num_aux], iter(rest[ctx.num_aux:])
+        mask_tensors = [None if t is None else next(saved_masks) for t in call.mask_tensors]
         dq, dk, dv, aux_grads = _gradients(
-            dout, out, aux_tensors, ctx.entry.grad_slots,
-            lambda do: _ops.attention_backward(do, q, k, v, out, lse, dlse, ctx.entry, list(aux_tensors), mask_tensors,
-                                               ctx.block_size, ctx.scale, ctx.aux_scalars, ctx.deterministic))
-        return (dq, dk, dv, None, None, None, None, None, None, *aux_grads, *([None] * ctx.num_mask))
+            dout, out, aux_tensors, call.entry.grad_slots,
+            lambda do: _ops.attention_backward(do, q, k, v, out, lse, dlse, call.entry, list(aux_tensors),
+                                               mask_tensors, call.block_size, call.scale, ctx.aux_scalars,
+                                               call.deterministic))
+        return (dq, dk, dv, None, *aux_grads)
 
 
 @torch._dynamo.assume_constant_result
@@ -154,8 +172,8 @@ def differentiable_attention(query, key, value, score_mod=None, block_mask=None,
     scale = query.shape[-1] ** -0.5 if scale is None else float(scale)
     mask_tensors, block_size = _block_mask_tensors(block_mask)
     if not torch.compiler.is_compiling():
-        outputs = EagerAttention.apply(query, key, value, entry, block_mask, block_size, scale, bool(deterministic),
-                                       len(entry.aux_tensors), *entry.aux_tensors, *mask_tensors)
+        call = EagerCall(entry, block_mask, mask_tensors, block_size, scale, bool(deterministic))
+        outputs = EagerAttention.apply(query, key, value, call, *entry.aux_tensors)
         return outputs if return_lse else outputs[0]
     out, lse = _ops.flex_attention_fwd(query, key, value, entry.aux_tensors, mask_tensors, block_size, scale, key_,
                                        entry.aux_scalars, bool(deterministic))

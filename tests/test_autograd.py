@@ -408,3 +408,19 @@ def test_mods_made_afresh_every_step_do_not_pile_up(monkeypatch):
     assert torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0
     assert pinned <= set(_ops._ENTRIES)
     assert torch.equal(compiled(q, k, v), expected)
+
+
+def test_block_mask_edited_in_place_before_the_backward_is_an_error():
+    """The eager path saves the block-mask tensors for the backward: editing them in between must not silently
+    change the lists the backward walks."""
+    from flexlab import create_block_mask
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    q, k, v = (torch.randn(1, 2, 256, 64, requires_grad=True) for _ in range(3))
+    bm = create_block_mask(causal, None, None, 256, 256, device="cpu")
+    out = differentiable_attention(q, k, v, None, bm)
+    bm.kv_num_blocks.add_(0)  # bumps the version counter
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
