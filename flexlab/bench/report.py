@@ -130,6 +130,9 @@ def format_row(record: dict) -> str:
         if status == "ok" or status in ("wrong", "suspect"):
             err = r.get("rel_l2", {})
             note = note or ("rel-L2 " + " ".join(f"{k} {v:.1e}" for k, v in err.items()))
+            slow = host_bound_rounds(r)
+            if slow:
+                note = f"wall > {HOST_BOUND_FACTOR}x kernel in {slow}/{len(r['wall_ms_rounds'])} rounds; " + note
             lines.append(f"  {name:<20}{_num(r.get('wall_ms'), '.3f', 10)}{_num(r.get('kernel_ms'), '.3f', 11)}"
                          f"{_num(r.get('tflops'), '.1f', 9)}{_num(r.get('roof_pct'), '.1f', 8)}  {status:<8}"
                          f"{_short(note)}")
@@ -142,6 +145,18 @@ def format_row(record: dict) -> str:
     if record.get("deterministic_cost"):
         lines.append(f"  deterministic mode: {record['deterministic_cost']:.2f}x flexlab's default wall time")
     return "\n".join(lines)
+
+
+# A round whose wall time exceeds its kernel time by this factor most likely waited for the host (launch overhead, or
+# a host slowed by other work); an isolated one can also be the GPU clock moving between the two clocks' measurements.
+HOST_BOUND_FACTOR = 1.1
+
+
+def host_bound_rounds(result: dict) -> int:
+    """How many of an interleaved measurement's rounds took HOST_BOUND_FACTOR x their kernel time or more of wall time
+    (0 without per-round times): the rounds to distrust when wall and kernel ratios disagree."""
+    walls, kernels = result.get("wall_ms_rounds") or [], result.get("kernel_ms_rounds") or []
+    return sum(1 for w, k in zip(walls, kernels) if k and w > HOST_BOUND_FACTOR * k)
 
 
 def _short(text: str, width: int = 90) -> str:

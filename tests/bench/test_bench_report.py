@@ -1,8 +1,8 @@
 """Tables and JSON of the benchmark: best-peer choice, formatting, merging."""
 import json
 
-from flexlab.bench.report import (best_peer, format_document, format_markdown, merge_documents, summarize_row,
-                                  write_json)
+from flexlab.bench.report import (best_peer, format_document, format_markdown, format_row, merge_documents,
+                                  summarize_row, write_json)
 
 
 def _row(name="fwd causal B1 S4k H16 D128 bf16", **results):
@@ -72,3 +72,11 @@ def test_kernel_table_compares_kernel_times():
     doc = {"schema": 1, "environment": {}, "settings": {}, "matmul_ceiling_tflops": 790.0, "rows": [rec]}
     assert "| 0.80x |" in format_markdown(doc, "wall_ms").splitlines()[2]
     assert "| 1.20x |" in format_markdown(doc, "kernel_ms").splitlines()[2]
+
+
+def test_rounds_that_waited_for_the_host_are_flagged():
+    r = {**_ok(0.7), "wall_ms_rounds": [0.83, 0.71, 0.64, 0.80, 0.63], "kernel_ms_rounds": [0.62] * 5}
+    rec = _row(flexlab=r, fa4={**_ok(0.6), "wall_ms_rounds": [0.6] * 5, "kernel_ms_rounds": [0.6] * 5})
+    text = format_row(rec)
+    assert "wall > 1.1x kernel in 3/5 rounds" in text.splitlines()[1]
+    assert "rounds" not in text.splitlines()[2]
