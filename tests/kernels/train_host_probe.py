@@ -5,7 +5,8 @@ Usage: python tests/kernels/train_host_probe.py OUT.json   (not a test; run on t
 
 Per variant: `fwd` is the forward call with gradients wanted (kernels queued, not waited for), `bwd` the
 `out.backward(dout)` that follows it, `step` both plus the gradient reset, each the median host time over many
-calls with the GPU idle before every call (`bwd_host_probe.host_us`).
+calls with the GPU idle before every call. The two backends take turns (`ROUNDS` rounds of `REPEATS` calls each),
+because a host's speed wanders by more than the difference being measured.
 """
 from __future__ import annotations
 
@@ -20,32 +21,31 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 VARIANTS = ("dense", "causal", "document", "softcap_causal")
-REPEATS = 200
+REPEATS = 50
+ROUNDS = 4
 
 
-def split_times(prepared, dout):
-    """Median host µs of (forward, backward, whole step) of one prepared backend."""
-    fwd, bwd, step = [], [], []
+def split_samples(prepared, dout, out: dict) -> None:
+    """Append REPEATS host-time samples (µs) of the forward call, the backward call and a whole step to `out`."""
     for _ in range(REPEATS):
         for t in prepared.inputs:
             t.grad = None
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = prepared.call()
+        res = prepared.call()
         t1 = time.perf_counter()
         torch.cuda.synchronize()
         t2 = time.perf_counter()
-        out.backward(dout)
+        res.backward(dout)
         t3 = time.perf_counter()
         torch.cuda.synchronize()
-        fwd.append((t1 - t0) * 1e6)
-        bwd.append((t3 - t2) * 1e6)
+        out["fwd"].append((t1 - t0) * 1e6)
+        out["bwd"].append((t3 - t2) * 1e6)
         t4 = time.perf_counter()
         for t in prepared.inputs:
             t.grad = None
         prepared.call().backward(dout)
-        step.append((time.perf_counter() - t4) * 1e6)
-    return {k: round(statistics.median(v), 1) for k, v in (("fwd", fwd), ("bwd", bwd), ("step", step))}
+        out["step"].append((time.perf_counter() - t4) * 1e6)
 
 
 def main(path: str, B=1, H=2, S=512, D=128) -> None:
@@ -58,6 +58,7 @@ def main(path: str, B=1, H=2, S=512, D=128) -> None:
         case = build_case(variant, B, H, S, "cuda")
         bm = create_block_mask(case.mask_mod, None, None, S, S, device="cuda") if case.mask_mod else None
         q, k, v, dout = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+        prepared = {}
         for name in ("flexlab", "fa4"):
             try:
                 prep = peers.PEERS[name][0](case, q, k, v, bm, True)
@@ -69,8 +70,16 @@ def main(path: str, B=1, H=2, S=512, D=128) -> None:
                 for t in prep.inputs:
                     t.grad = None
                 prep.call().backward(d)
-            torch.cuda.synchronize()
-            r = dict(variant=variant, backend=name, **split_times(prep, d))
+            prepared[name] = (prep, d, {"fwd": [], "bwd": [], "step": []})
+        torch.cuda.synchronize()
+        names = list(prepared)
+        for r in range(ROUNDS):  # in turns, the order rotated each round
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                prep, d, samples = prepared[name]
+                split_samples(prep, d, samples)
+        for name in names:
+            samples = prepared[name][2]
+            r = dict(variant=variant, backend=name, **{k: round(statistics.median(v), 1) for k, v in samples.items()})
             rows.append(r)
             print(f"{variant:15s} {name:8s} fwd {r['fwd']:6.1f} us  bwd {r['bwd']:6.1f} us  step {r['step']:6.1f} us",
                   flush=True)
