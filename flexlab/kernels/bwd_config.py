@@ -90,6 +90,9 @@ class BwdConfig:
     early_dv: bool = False
     dq_warp: bool = True
     lpt_order: bool = False  # block-sparse only, never with deterministic mode (see the module docstring)
+    # The wait on each Q/dO stage tries once without a suspend-time hint before the wait loop that lets warps sleep
+    # (FA4's form; `FwdConfig.try_wait_first`). A sweep candidate, not yet timed.
+    try_wait_first: bool = False
     # Block-sparse only: partial blocks read their mask from bits stored by the launcher (`runtime.mask_bits`, rows =
     # keys, 64 or 128 query columns) instead of evaluating mask_mod; chosen where the forward's are
     # (`kernels.config.STORE_MASK_BITS`: masks that read captured tensors).
@@ -230,6 +233,7 @@ def candidate_bwd_configs(head_dim: int, deterministic: bool = False,
         "dq_in_consumers" if base.dq_warp else "dq_warp": replace(base, dq_warp=not base.dq_warp),
         # mask_mod before or after the S^T wait, whichever the default does not do
         "mask_late" if base.mask_early else "mask_early": replace(base, mask_early=not base.mask_early),
+        "try_wait_first": replace(base, try_wait_first=True),
     }
     if deterministic:  # `neither` is then the other order with global stats: not a new question
         del cands["neither"]

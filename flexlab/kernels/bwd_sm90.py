@@ -88,6 +88,7 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         self.num_consumer_threads = 128 * self.num_wg
         self.producer_regs, self.consumer_regs = cfg.register_split
         self.stats_in_smem, self.dk_after_dq = cfg.stats_in_smem, cfg.dk_after_dq
+        self.try_wait_first = cfg.try_wait_first
         self.kv_tiles_first, self.dq_split_rows = cfg.kv_tiles_first, cfg.dq_split_rows
         # Each consumer warpgroup's box of the dQ partial: all tile_m rows and head_dim / warpgroups columns, or (with
         # dq_split_rows) 64 rows and every column.

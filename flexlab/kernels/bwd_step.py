@@ -59,7 +59,10 @@ class BwdStep:
         batch, head, q_last, kv_last, softmax_scale, aux_tensors, aux_scalars, aux_grads, order = mods
         q_start = m_block * self.tile_m
         coords = ops.coords
-        pipe_qdo.consumer_wait(state)
+        if cutlass.const_expr(self.try_wait_first):  # one try without a suspend hint before the sleeping loop
+            pipe_qdo.consumer_wait(state, pipe_qdo.consumer_try_wait(state))
+        else:
+            pipe_qdo.consumer_wait(state)
         # The stage picks the shared-memory descriptors of every GEMM below. Marked warp-uniform, ptxas keeps the
         # descriptors in uniform registers (one UIADD3.64 per K slice); without the hint it built each one in
         # ordinary registers (move, 64-bit add with carry) and copied it over with R2UR: ~130 of the loop's ~650

@@ -113,9 +113,15 @@ class FwdConfig:
     # spread (its repeat read 0.86-1.01x in that run). Kept off.
     uniform_stage: bool = False
     # Dense grids only: two CTAs with neighbouring Q tiles of one head form a cluster, and each loads half of every
-    # K/V block and multicasts it to both, halving K/V traffic from L2. Nsight, dense B4 S4k: our kernel moved 4.1 GB
-    # through L2 against FA4's 2.2 GB, whose dense path does this. Default at D=64 only (`D64_DENSE_CLUSTER_M`).
+    # K/V block and multicasts it to both, halving K/V requests to L2. Nsight, dense B4 S4k: our kernel moved 4.1 GB
+    # through the L2 slices against FA4's 2.2 GB (FA4's sm90 forward does not multicast: its loads are merged before
+    # the slices more often, BENCHMARKS.md 2026-12-01). 1.03-1.07x at D=64, 0.99-1.02x at D=128: default at D=64
+    # only (`D64_DENSE_CLUSTER_M`).
     cluster_m: int = 1
+    # Consumer waits on the Q/K/V stages try once without a suspend-time hint before the sleeping wait loop, as FA4's
+    # do; ours enter that loop (NANOSLEEP.SYNCS in the SASS) at the first miss. CPU compile, the one difference found
+    # between the two dense D=128 main loops (449 and 455 SASS instructions, the same 16 HGMMA); not yet timed.
+    try_wait_first: bool = False
     # Debug only, never set by the public API: stages removed for timing (names in ABLATIONS; results are wrong).
     ablate: tuple[str, ...] = ()
 

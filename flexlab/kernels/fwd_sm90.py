@@ -433,14 +433,14 @@ class FlexFwdSm90:
         if cutlass.const_expr(stored is not None):  # now also this tile's batch, head and Q tile
             stored = (*stored, batch, head, m_block)
 
-        pipe_q.consumer_wait(q_state)
+        self.wait_full(pipe_q, q_state)
         total = sched.total
         num_partial = sched.num_partial
         if total > 0:
             # First block: S only (its PV happens in the next step).
             acc_S = cute.make_rmem_tensor(s_shape, Float32)
             words = self.stored_words(stored, Int32(0), True)
-            pipe_k.consumer_wait(state)
+            self.wait_full(pipe_k, state)
             wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], True, 0)
             pipe_k.consumer_release(state)
             # The key tail needs masking in the last KV block only, and that block always comes first: dense grids
@@ -466,7 +466,7 @@ class FlexFwdSm90:
                                              wg, seqlen_k, mods, False, None)
             self.release_q_after_mainloop(pipe_q, q_state)
             # Last block: PV only.
-            pipe_v.consumer_wait(state)
+            self.wait_full(pipe_v, state)
             if cutlass.const_expr(self.cfg.rescale_before_pv and not self.ablated("softmax")):
                 rescale_rows(acc_O, row_scale)
             if cutlass.const_expr(not self.ablated("pv")):
@@ -506,7 +506,7 @@ class FlexFwdSm90:
         if cutlass.const_expr(self.cfg.early_block_index or early_mask):
             n_block = sched.block_of_kind(i, use_mask_mod)  # issued before the waits: its latency hides behind them
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
-        pipe_k.consumer_wait(state)
+        self.wait_full(pipe_k, state)
         self.wait_turn(wg)
         stage, prev_stage = state.index, prev.index
         if cutlass.const_expr(self.cfg.uniform_stage):
@@ -514,7 +514,7 @@ class FlexFwdSm90:
         wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, stage], True, 0 if serial else -1)
         if cutlass.const_expr(self.cfg.rescale_before_pv and with_softmax):
             rescale_rows(acc_O, row_scale)  # by the previous block's row scale, while the QK GEMM runs
-        pipe_v.consumer_wait(prev)
+        self.wait_full(pipe_v, prev)
         if cutlass.const_expr(not no_pv):
             wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, prev_stage], False, 0 if serial else -1)
         self.pass_turn(wg)
@@ -568,6 +568,15 @@ class FlexFwdSm90:
                            self.clamp_indices, aux_tensors, aux_scalars)
         if cutlass.const_expr(mask_tail):
             mask_kv_tail(acc_S, coords, kv_start, seqlen_k)
+
+    def wait_full(self, pipe, state):
+        """Wait until the stage `state` points at is filled. With `FwdConfig.try_wait_first`, one try-wait without a
+        suspend-time hint comes first, and only a stage still empty then enters the wait loop whose hint lets
+        the hardware put the warps to sleep (FA4's consumer waits are built this way)."""
+        if cutlass.const_expr(self.cfg.try_wait_first):
+            pipe.consumer_wait(state, pipe.consumer_try_wait(state))
+        else:
+            pipe.consumer_wait(state)
 
     def wait_turn(self, wg):
         if cutlass.const_expr(self.pingpong):

@@ -161,7 +161,9 @@ def variants_for(row, base, num_sms: int) -> list[Variant]:
     cand += [Variant("exp2_poly2", "candidate", rep(base, exp2_poly=2), "2 of 8 exponentials on the FMA pipe"),
              Variant("exp2_poly4", "candidate", rep(base, exp2_poly=4), "4 of 8 exponentials on the FMA pipe"),
              Variant("rescale_before_pv", "candidate", rep(base, rescale_before_pv=True),
-                     "O rescaled while the QK GEMM runs")]
+                     "O rescaled while the QK GEMM runs"),
+             Variant("try_wait_first", "candidate", rep(base, try_wait_first=True),
+                     "stage waits try once before the sleeping wait loop")]
     if has_mask:
         cand.append(Variant("early_block_index", "candidate", rep(base, early_block_index=True),
                             "KV block index read before the K wait"))

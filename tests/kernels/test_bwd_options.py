@@ -93,6 +93,8 @@ CELLS = [  # (name, head dim, options, kernel flavour): each option in a few fla
     ("combined-det_mask", 128, dict(stats_in_smem=True, dk_after_dq=True, kv_tiles_first=True), "det_mask"),
     ("combined-det_mask-d64", 64, dict(stats_in_smem=True, dk_after_dq=True, kv_tiles_first=True, tile_m=128,
                                        dq_split_rows=True), "det_mask"),
+    ("try_wait_first-mask", 128, dict(try_wait_first=True), "mask"),
+    ("try_wait_first-dense-d64", 64, dict(try_wait_first=True), "dense"),
 ]
 
 
@@ -125,6 +127,8 @@ def test_option_compiles_without_spills(name, D, options, kind):
         assert "ld.acquire.gpu.global.b32" in ptx and "red.release.gpu.global.add.s32" in ptx
     if cfg.dq_split_rows:
         assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx  # dQ: N = head_dim = 64
+    # the Q/dO wait tries once without a suspend hint first (one per consumer step body) only with the option
+    assert ("mbarrier.try_wait.parity.acquire" in ptx) == cfg.try_wait_first
 
 
 def test_dq_row_split_view_maps_rows_to_warpgroup_slabs():
