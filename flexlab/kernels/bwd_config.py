@@ -90,8 +90,9 @@ class BwdConfig:
     early_dv: bool = False
     dq_warp: bool = True
     lpt_order: bool = False  # block-sparse only, never with deterministic mode (see the module docstring)
-    # The wait on each Q/dO stage tries once without a suspend-time hint before the wait loop that lets warps sleep
-    # (FA4's form; `FwdConfig.try_wait_first`). A sweep candidate, not yet timed.
+    # The waits on each Q/dO stage (the consumers' for a full one, the producer's for an empty one) try once without
+    # a suspend-time hint before the wait loop that lets warps sleep (`FwdConfig.try_wait_first`). A sweep
+    # candidate, not yet timed.
     try_wait_first: bool = False
     # Block-sparse only: partial blocks read their mask from bits stored by the launcher (`runtime.mask_bits`, rows =
     # keys, 64 or 128 query columns) instead of evaluating mask_mod; chosen where the forward's are

@@ -48,7 +48,10 @@ class BwdProducer:
             sched = KvSchedule(sparse, batch, head, n_block, num_m_blocks)
             for i in cutlass.range(sched.total, unroll=1):
                 m_block = sched.block(i)
-                pipe_qdo.producer_acquire(state)
+                if cutlass.const_expr(self.try_wait_first):  # one try without a suspend hint before the loop
+                    pipe_qdo.producer_acquire(state, pipe_qdo.producer_try_acquire(state))
+                else:
+                    pipe_qdo.producer_acquire(state)
                 bar = pipe_qdo.producer_get_barrier(state)
                 cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
                 cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar)

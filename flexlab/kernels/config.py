@@ -118,9 +118,10 @@ class FwdConfig:
     # the slices more often, BENCHMARKS.md 2026-12-01). 1.03-1.07x at D=64, 0.99-1.02x at D=128: default at D=64
     # only (`D64_DENSE_CLUSTER_M`).
     cluster_m: int = 1
-    # Consumer waits on the Q/K/V stages try once without a suspend-time hint before the sleeping wait loop, as FA4's
-    # do; ours enter that loop (NANOSLEEP.SYNCS in the SASS) at the first miss. CPU compile, the one difference found
-    # between the two dense D=128 main loops (449 and 455 SASS instructions, the same 16 HGMMA); not yet timed.
+    # Waits on the Q/K/V stages (the consumers' for a full stage, the producer's for an empty one) try once without a
+    # suspend-time hint before the wait loop whose hint lets the warps sleep, as FA4's do in effect; ours enter that
+    # loop (NANOSLEEP.SYNCS in the SASS) at the first miss. CPU compile: the one difference found between the two
+    # dense D=128 main loops (449 and 455 SASS instructions, the same 16 HGMMA) and producer loops; not yet timed.
     try_wait_first: bool = False
     # Debug only, never set by the public API: stages removed for timing (names in ABLATIONS; results are wrong).
     ablate: tuple[str, ...] = ()

@@ -314,7 +314,7 @@ class FlexFwdSm90:
             tKsK, tKgK = tma_tiles(tma_k, sK, gK)
             tVsV, tVgV = tma_tiles(tma_v, sV, gV)
         if cutlass.const_expr(not self.persistent):
-            pipe_q.producer_acquire(q_state)
+            self.acquire_empty(pipe_q, q_state)
             cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
 
         total = sched.total
@@ -322,7 +322,7 @@ class FlexFwdSm90:
         if total > 0:
             self.load_kv(pipe_k, tma_k, tKgK, tKsK, state, first_block, True)
         if cutlass.const_expr(self.persistent):
-            pipe_q.producer_acquire(q_state)
+            self.acquire_empty(pipe_q, q_state)
             cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             q_state.advance()
         if total > 0:
@@ -355,7 +355,7 @@ class FlexFwdSm90:
             multicast = {}  # with a cluster, this CTA's half of the block lands in both CTAs
             if cutlass.const_expr(self.cluster_m > 1):
                 multicast = {"mcast_mask": cutlass.Int16((1 << self.cluster_m) - 1)}
-            pipe.producer_acquire(state)
+            self.acquire_empty(pipe, state)
             cute.copy(tma, tXgX[None, n_block], tXsX[None, state.index],
                       tma_bar_ptr=pipe.producer_get_barrier(state), **multicast)
 
@@ -568,6 +568,13 @@ class FlexFwdSm90:
                            self.clamp_indices, aux_tensors, aux_scalars)
         if cutlass.const_expr(mask_tail):
             mask_kv_tail(acc_S, coords, kv_start, seqlen_k)
+
+    def acquire_empty(self, pipe, state):
+        """The producer's wait for stage `state` to be free, with `FwdConfig.try_wait_first` tried once first."""
+        if cutlass.const_expr(self.cfg.try_wait_first):
+            pipe.producer_acquire(state, pipe.producer_try_acquire(state))
+        else:
+            pipe.producer_acquire(state)
 
     def wait_full(self, pipe, state):
         """Wait until the stage `state` points at is filled. With `FwdConfig.try_wait_first`, one try-wait without a

@@ -127,8 +127,10 @@ def test_option_compiles_without_spills(name, D, options, kind):
         assert "ld.acquire.gpu.global.b32" in ptx and "red.release.gpu.global.add.s32" in ptx
     if cfg.dq_split_rows:
         assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx  # dQ: N = head_dim = 64
-    # the Q/dO wait tries once without a suspend hint first (one per consumer step body) only with the option
+    # the Q/dO waits, the consumers' and the producer's, try once without a suspend hint first only with the option
     assert ("mbarrier.try_wait.parity.acquire" in ptx) == cfg.try_wait_first
+    if cfg.try_wait_first:
+        assert ptx.count("mbarrier.try_wait.parity.acquire") >= 2
 
 
 def test_dq_row_split_view_maps_rows_to_warpgroup_slabs():

@@ -280,16 +280,18 @@ def test_uniform_stage_shortens_the_persistent_step():
 
 
 def test_try_wait_first_adds_a_fast_check_before_the_sleeping_wait():
-    """`FwdConfig.try_wait_first` (a sweep candidate): every consumer wait on a Q/K/V stage first tries once without
-    a suspend-time hint (`try_wait.parity.acquire`, FA4's form) and enters the wait loop, whose hint lets the warps
-    sleep, only on a miss. The default kernel keeps the plain loop; both build without spills."""
+    """`FwdConfig.try_wait_first` (a sweep candidate): every wait on a Q/K/V stage, the consumers' and the
+    producer's, first tries once without a suspend-time hint (`try_wait.parity.acquire`) and enters the wait loop,
+    whose hint lets the warps sleep, only on a miss. The default kernel keeps the plain loop; both build without
+    spills."""
     base = default_config(128, False, False)
     ptx = {}
     for fast in (False, True):
         ptx[fast], report = _compile(dataclasses.replace(base, try_wait_first=fast), "dense")
         _sound(ptx[fast], report)
     assert "mbarrier.try_wait.parity.acquire" not in ptx[False]
-    # Q, the first K, K and V of the overlapped step, and the last V
-    assert ptx[True].count("mbarrier.try_wait.parity.acquire") == 5
+    # consumers: Q, the first K, K and V of the overlapped step, the last V; producer: Q, the first K, K and V of
+    # the loop, the last V
+    assert ptx[True].count("mbarrier.try_wait.parity.acquire") == 10
     assert ptx[True].count("mbarrier.try_wait.parity.shared.b64") == ptx[False].count(
         "mbarrier.try_wait.parity.shared.b64")
