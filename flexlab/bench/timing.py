@@ -94,8 +94,8 @@ def measure_interleaved(fns: dict[str, Callable[[], object]], device: torch.devi
                         ) -> dict[str, Timing]:
     """Time several callables on one GPU in turns: `rounds` rounds, each timing every callable once (wall clock
     over rep_ms / rounds after warmup_ms, then the profiler over a few calls) in an order rotated by one each round,
-    so that no backend always runs first, last or right after a given other. Each clock keeps the median of its
-    rounds. On a CPU, or with one round or one callable, this is `measure` called on each in turn."""
+    so that no backend always runs first or last, and a clock drifting through the row reaches all of them alike.
+    Each clock keeps the median of its rounds. On a CPU, or with one round or one callable, this is `measure` called on each in turn."""
     names = list(fns)
     if device.type != "cuda" or rounds <= 1 or len(names) < 2:
         return {n: measure(fns[n], device, warmup_ms, rep_ms, profile_calls=profile_calls) for n in names}
