@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="tiny shapes (B1 H2 S256) and short timing: checks the harness, measures nothing useful")
     p.add_argument("--warmup-ms", type=float, default=None, help="do_bench warm-up per measurement (default 25)")
-    p.add_argument("--rep-ms", type=float, default=None, help="do_bench repetition time per backend, split over the rounds (default 200)")
+    p.add_argument("--rep-ms", type=float, default=None,
+                   help="do_bench repetition time per backend, split over the rounds (default 200)")
     p.add_argument("--rounds", type=int, default=None,
                    help="time a row's backends in turns over this many rounds, each in a rotated order, and keep "
                         "each one's median round (default 5; 1 = one backend after the other)")

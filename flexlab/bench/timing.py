@@ -39,9 +39,13 @@ def wall_ms_cuda(fn: Callable[[], object], warmup_ms: float, rep_ms: float, grad
 def kernel_profile_cuda(fn: Callable[[], object], calls: int, top: int = 4) -> tuple[float, list[tuple[str, float]]]:
     """GPU time per call from the profiler (all kernels and memsets), and the largest kernels by name."""
     per_name = _kernel_times_cuda(fn, calls)
-    total_ms = sum(per_name.values()) / 1e3 / calls
+    return sum(per_name.values()) / 1e3 / calls, _largest(per_name, calls, top)
+
+
+def _largest(per_name: dict[str, float], calls: int, top: int) -> list[tuple[str, float]]:
+    """(name, ms per call) of the `top` kernels by time, from µs summed over `calls` calls."""
     largest = sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
-    return total_ms, [(name, us / 1e3 / calls) for name, us in largest]
+    return [(name, us / 1e3 / calls) for name, us in largest]
 
 
 def _kernel_times_cuda(fn: Callable[[], object], calls: int) -> dict[str, float]:
@@ -95,7 +99,8 @@ def measure_interleaved(fns: dict[str, Callable[[], object]], device: torch.devi
     """Time several callables on one GPU in turns: `rounds` rounds, each timing every callable once (wall clock
     over rep_ms / rounds after warmup_ms, then the profiler over a few calls) in an order rotated by one each round,
     so that no backend always runs first or last, and a clock drifting through the row reaches all of them alike.
-    Each clock keeps the median of its rounds. On a CPU, or with one round or one callable, this is `measure` called on each in turn."""
+    Each clock keeps the median of its rounds. On a CPU, or with one round or one callable, this is `measure` called
+    on each in turn."""
     names = list(fns)
     if device.type != "cuda" or rounds <= 1 or len(names) < 2:
         return {n: measure(fns[n], device, warmup_ms, rep_ms, profile_calls=profile_calls) for n in names}
@@ -111,10 +116,6 @@ def measure_interleaved(fns: dict[str, Callable[[], object]], device: torch.devi
             kernel[n].append(sum(times.values()) / 1e3 / calls)
             for k, us in times.items():
                 by_name[n][k] = by_name[n].get(k, 0.0) + us
-    out = {}
-    for n in names:
-        largest = sorted(by_name[n].items(), key=lambda kv: -kv[1])[:top]
-        out[n] = Timing(wall_ms=statistics.median(walls[n]), kernel_ms=statistics.median(kernel[n]),
-                        kernels=[(k, us / 1e3 / (calls * rounds)) for k, us in largest],
-                        wall_rounds=walls[n], kernel_rounds=kernel[n])
-    return out
+    return {n: Timing(wall_ms=statistics.median(walls[n]), kernel_ms=statistics.median(kernel[n]),
+                      kernels=_largest(by_name[n], calls * rounds, top), wall_rounds=walls[n], kernel_rounds=kernel[n])
+            for n in names}

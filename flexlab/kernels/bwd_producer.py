@@ -17,6 +17,7 @@ from cutlass.cute.nvgpu import cpasync
 
 from .block_sparse import KvSchedule
 from .layout import tma_tiles
+from .stage_waits import acquire_empty
 
 
 class BwdProducer:
@@ -48,10 +49,7 @@ class BwdProducer:
             sched = KvSchedule(sparse, batch, head, n_block, num_m_blocks)
             for i in cutlass.range(sched.total, unroll=1):
                 m_block = sched.block(i)
-                if cutlass.const_expr(self.try_wait_first):  # one try without a suspend hint before the loop
-                    pipe_qdo.producer_acquire(state, pipe_qdo.producer_try_acquire(state))
-                else:
-                    pipe_qdo.producer_acquire(state)
+                acquire_empty(pipe_qdo, state, self.try_wait_first)
                 bar = pipe_qdo.producer_get_barrier(state)
                 cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
                 cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar)

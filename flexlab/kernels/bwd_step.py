@@ -24,6 +24,7 @@ from .mask import (FRAGMENT_ROWS, apply_fragment_bits, apply_mask_bits, apply_ma
                    load_fragment_bits, mask_kv_tail, mask_mod_bits)
 from .named_barrier import BwdBarrier
 from .score_mod import apply_score_mod
+from .stage_waits import wait_full
 
 
 @dsl_user_op
@@ -59,10 +60,7 @@ class BwdStep:
         batch, head, q_last, kv_last, softmax_scale, aux_tensors, aux_scalars, aux_grads, order = mods
         q_start = m_block * self.tile_m
         coords = ops.coords
-        if cutlass.const_expr(self.try_wait_first):  # one try without a suspend hint before the sleeping loop
-            pipe_qdo.consumer_wait(state, pipe_qdo.consumer_try_wait(state))
-        else:
-            pipe_qdo.consumer_wait(state)
+        wait_full(pipe_qdo, state, self.try_wait_first)
         # The stage picks the shared-memory descriptors of every GEMM below. Marked warp-uniform, ptxas keeps the
         # descriptors in uniform registers (one UIADD3.64 per K slice); without the hint it built each one in
         # ordinary registers (move, 64-bit add with carry) and copied it over with R2UR: ~130 of the loop's ~650

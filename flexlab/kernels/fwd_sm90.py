@@ -50,6 +50,7 @@ from .mask import (FRAGMENT_ROWS, apply_fragment_bits, apply_mask_bits, apply_ma
 from .named_barrier import FwdBarrier
 from .score_mod import apply_score_mod
 from .softmax import OnlineSoftmax, rescale_rows
+from .stage_waits import acquire_empty, wait_full
 from .tile_scheduler import claim_tile, cluster_pair_tile, current_tile, hand_over_tile, take_tile, tile_coords
 
 LOG2_E = math.log2(math.e)
@@ -314,7 +315,7 @@ class FlexFwdSm90:
             tKsK, tKgK = tma_tiles(tma_k, sK, gK)
             tVsV, tVgV = tma_tiles(tma_v, sV, gV)
         if cutlass.const_expr(not self.persistent):
-            self.acquire_empty(pipe_q, q_state)
+            acquire_empty(pipe_q, q_state, self.cfg.try_wait_first)
             cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
 
         total = sched.total
@@ -322,7 +323,7 @@ class FlexFwdSm90:
         if total > 0:
             self.load_kv(pipe_k, tma_k, tKgK, tKsK, state, first_block, True)
         if cutlass.const_expr(self.persistent):
-            self.acquire_empty(pipe_q, q_state)
+            acquire_empty(pipe_q, q_state, self.cfg.try_wait_first)
             cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
             q_state.advance()
         if total > 0:
@@ -355,7 +356,7 @@ class FlexFwdSm90:
             multicast = {}  # with a cluster, this CTA's half of the block lands in both CTAs
             if cutlass.const_expr(self.cluster_m > 1):
                 multicast = {"mcast_mask": cutlass.Int16((1 << self.cluster_m) - 1)}
-            self.acquire_empty(pipe, state)
+            acquire_empty(pipe, state, self.cfg.try_wait_first)
             cute.copy(tma, tXgX[None, n_block], tXsX[None, state.index],
                       tma_bar_ptr=pipe.producer_get_barrier(state), **multicast)
 
@@ -433,14 +434,14 @@ class FlexFwdSm90:
         if cutlass.const_expr(stored is not None):  # now also this tile's batch, head and Q tile
             stored = (*stored, batch, head, m_block)
 
-        self.wait_full(pipe_q, q_state)
+        wait_full(pipe_q, q_state, self.cfg.try_wait_first)
         total = sched.total
         num_partial = sched.num_partial
         if total > 0:
             # First block: S only (its PV happens in the next step).
             acc_S = cute.make_rmem_tensor(s_shape, Float32)
             words = self.stored_words(stored, Int32(0), True)
-            self.wait_full(pipe_k, state)
+            wait_full(pipe_k, state, self.cfg.try_wait_first)
             wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, state.index], True, 0)
             pipe_k.consumer_release(state)
             # The key tail needs masking in the last KV block only, and that block always comes first: dense grids
@@ -466,7 +467,7 @@ class FlexFwdSm90:
                                              wg, seqlen_k, mods, False, None)
             self.release_q_after_mainloop(pipe_q, q_state)
             # Last block: PV only.
-            self.wait_full(pipe_v, state)
+            wait_full(pipe_v, state, self.cfg.try_wait_first)
             if cutlass.const_expr(self.cfg.rescale_before_pv and not self.ablated("softmax")):
                 rescale_rows(acc_O, row_scale)
             if cutlass.const_expr(not self.ablated("pv")):
@@ -506,7 +507,7 @@ class FlexFwdSm90:
         if cutlass.const_expr(self.cfg.early_block_index or early_mask):
             n_block = sched.block_of_kind(i, use_mask_mod)  # issued before the waits: its latency hides behind them
         acc_S = cute.make_rmem_tensor(s_shape, Float32)
-        self.wait_full(pipe_k, state)
+        wait_full(pipe_k, state, self.cfg.try_wait_first)
         self.wait_turn(wg)
         stage, prev_stage = state.index, prev.index
         if cutlass.const_expr(self.cfg.uniform_stage):
@@ -514,7 +515,7 @@ class FlexFwdSm90:
         wgmma(tiled_mma_qk, acc_S, tSrQ, tSrK[None, None, None, stage], True, 0 if serial else -1)
         if cutlass.const_expr(self.cfg.rescale_before_pv and with_softmax):
             rescale_rows(acc_O, row_scale)  # by the previous block's row scale, while the QK GEMM runs
-        self.wait_full(pipe_v, prev)
+        wait_full(pipe_v, prev, self.cfg.try_wait_first)
         if cutlass.const_expr(not no_pv):
             wgmma(tiled_mma_pv, acc_O, tOrP, tOrVt[None, None, None, prev_stage], False, 0 if serial else -1)
         self.pass_turn(wg)
@@ -568,22 +569,6 @@ class FlexFwdSm90:
                            self.clamp_indices, aux_tensors, aux_scalars)
         if cutlass.const_expr(mask_tail):
             mask_kv_tail(acc_S, coords, kv_start, seqlen_k)
-
-    def acquire_empty(self, pipe, state):
-        """The producer's wait for stage `state` to be free, with `FwdConfig.try_wait_first` tried once first."""
-        if cutlass.const_expr(self.cfg.try_wait_first):
-            pipe.producer_acquire(state, pipe.producer_try_acquire(state))
-        else:
-            pipe.producer_acquire(state)
-
-    def wait_full(self, pipe, state):
-        """Wait until the stage `state` points at is filled. With `FwdConfig.try_wait_first`, one try-wait without a
-        suspend-time hint comes first, and only a stage still empty then enters the wait loop whose hint lets
-        the hardware put the warps to sleep (FA4's consumer waits are built this way)."""
-        if cutlass.const_expr(self.cfg.try_wait_first):
-            pipe.consumer_wait(state, pipe.consumer_try_wait(state))
-        else:
-            pipe.consumer_wait(state)
 
     def wait_turn(self, wg):
         if cutlass.const_expr(self.pingpong):
