@@ -353,12 +353,56 @@ def run_case(case: str, problems: dict, outputs: dict) -> dict:
     return rec
 
 
-def child(cases: list[str]):
+def interleaved_times(row: str, passed: list[str], problems: dict, rounds: int) -> dict:
+    """Each passing configuration of one row timed again, all of them in turns (`bench.timing.measure_interleaved`:
+    `rounds` rounds in a rotated order, median of the rounds): the GPU's clock drifts by a few percent over a row
+    (the same kernel measured 8.88 and 9.16 ms minutes apart), so configurations timed one after another differ by
+    that much with no change at all. Returns {case: {wall_ms, kernel_ms, main_ms, kernel_rounds}}."""
+    import torch
+
+    from flexlab.bench.timing import measure_interleaved
+    from flexlab.kernels import bwd_launch
+    p = problems[row]
+    fns = {}
+    for case in passed:
+        _, variant, *flags = case.split("/")
+        det = "det" in flags
+        cfg = _candidates(p.D, det, p.kind)[variant]
+
+        def fn(cfg=cfg, det=det):
+            swap_config(bwd_launch, cfg)
+            return p.backward(det)
+        fns[case] = fn
+    timings = measure_interleaved(fns, torch.device("cuda"), warmup_ms=25, rep_ms=60 * rounds, rounds=rounds,
+                                  profile_calls=3 * rounds, top=8)
+    out = {}
+    for case, t in timings.items():
+        main = sum(ms for name, ms in t.kernels if "flexbwdsm90" in name.lower())
+        out[case] = {"wall_ms": t.wall_ms, "kernel_ms": t.kernel_ms, "main_ms": main,
+                     "kernel_rounds": t.kernel_rounds, "wall_rounds": t.wall_rounds}
+    return out
+
+
+def child(cases: list[str], rounds: int = 5):
     import torch
     if torch.cuda.is_available():
         _emit("info", torch=torch.__version__, device=torch.cuda.get_device_name())
     problems, outputs = {}, {}
+    passed: list[str] = []  # this row's cases that passed, timed again in turns before the next row's
+
+    def flush_row():
+        row = passed[0].split("/")[0] if passed else None
+        if row is not None and len(passed) > 1 and row in problems and rounds > 1:
+            _emit("start", name=f"{row}/interleaved")
+            try:
+                _emit("interleaved", row=row, times=interleaved_times(row, passed, problems, rounds))
+            except Exception as e:  # noqa: BLE001 - the one-by-one times stand
+                _emit("interleaved", row=row, error=f"{type(e).__name__}: {e}")
+        passed.clear()
+
     for case in cases:
+        if passed and case.split("/")[0] != passed[0].split("/")[0]:
+            flush_row()
         _emit("start", name=case)
         t0 = time.perf_counter()
         try:
@@ -372,6 +416,9 @@ def child(cases: list[str]):
                 sys.stdout.flush()
                 os._exit(3)  # a CUDA error poisons this process's context: the parent starts a fresh child
         _emit("done", **rec)
+        if rec.get("status") == "ok" and not case.startswith("selftest/"):
+            passed.append(case)
+    flush_row()
 
 
 # ------------------------------------------------------------------------------------------------ parent side
@@ -381,11 +428,12 @@ def _reader(stream, q):
     q.put(None)
 
 
-def _spawn(cases: list[str]):
+def _spawn(cases: list[str], rounds: int = 5):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", ",".join(cases)],
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", ",".join(cases), "--rounds",
+                             str(rounds)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     lines: queue.Queue = queue.Queue()
@@ -408,12 +456,29 @@ def _drop_variant(case: str, todo: list[str], records: list[dict]) -> list[str]:
     return keep
 
 
-def sweep(cases: list[str], case_timeout: float, deadline: float, save) -> list[dict]:
+def _attach_interleaved(records: list[dict], msg: dict) -> None:
+    """Store a row's in-turns times on its records (`il_*` fields), or the reason there are none."""
+    if "error" in msg:
+        print(f"  {msg['row']}: interleaved timing failed: {msg['error']}", flush=True)
+        for r in records:
+            if r.get("row") == msg["row"]:
+                r["interleaved_error"] = msg["error"]
+        return
+    for r in records:
+        t = msg["times"].get(r.get("case"))
+        if t is not None:
+            r.update({f"il_{k}": v for k, v in t.items()})
+    print(f"  {msg['row']}: timed in turns: " + ", ".join(f"{c.split('/', 1)[1]} {t['main_ms']:.3f}"
+                                                            for c, t in msg["times"].items()) + " ms (main)",
+          flush=True)
+
+
+def sweep(cases: list[str], case_timeout: float, deadline: float, save, rounds: int = 5) -> list[dict]:
     """Run the cases in order in watched subprocesses. A silent case is killed and recorded as a timeout; a child
     that dies (or leaves after a CUDA error, which poisons its context) is replaced by a fresh one for the rest."""
     records, todo = [], list(cases)
     while todo and time.perf_counter() < deadline:
-        proc, lines = _spawn(todo)
+        proc, lines = _spawn(todo, rounds)
         current, tail, progressed = None, [], False
         while True:
             # A fresh child first imports torch and flexlab: it gets STARTUP_S before its first word.
@@ -428,7 +493,8 @@ def sweep(cases: list[str], case_timeout: float, deadline: float, save) -> list[
                 records.append({"case": name, "status": "timeout", "message": f"no progress for {limit:.0f} s "
                                 f"({why}): hung or still compiling", "output_tail": "".join(tail[-40:])})
                 print(f"  {name}: TIMEOUT after {limit:.0f} s", flush=True)
-                todo.remove(name)
+                if name in todo:  # (not a row's interleaved timing)
+                    todo.remove(name)
                 todo = _drop_variant(name, todo, records)
                 save(records)
                 break
@@ -438,7 +504,8 @@ def sweep(cases: list[str], case_timeout: float, deadline: float, save) -> list[
                     records.append({"case": current, "status": "crashed", "message": f"subprocess exited with "
                                     f"{proc.returncode} during the case", "output_tail": "".join(tail[-40:])})
                     print(f"  {current}: CRASHED (exit {proc.returncode})", flush=True)
-                    todo.remove(current)
+                    if current in todo:
+                        todo.remove(current)
                     todo = _drop_variant(current, todo, records)
                     save(records)
                 elif todo and not progressed:  # it cannot even start: do not respawn forever
@@ -455,6 +522,10 @@ def sweep(cases: list[str], case_timeout: float, deadline: float, save) -> list[
             progressed = True
             if kind == "start":
                 current, tail = msg["name"], []
+            elif kind == "interleaved":
+                current = None
+                _attach_interleaved(records, msg)
+                save(records)
             elif kind == "done":
                 records.append(msg)
                 if msg["case"] in todo:
@@ -481,12 +552,17 @@ def _line(r: dict) -> str:
 
 
 def table(records: list[dict]) -> str:
+    """One line per case. `vs def` compares kernel times with the row's default: the in-turns times (`il_*`, the
+    `il main` column) where the row has them, else the one-by-one times."""
     out = [f"{'row':<26} {'variant':<20} {'status':<7} {'wall ms':>8} {'wall TF':>7} {'kern ms':>8} "
-           f"{'kern TF':>7} {'main ms':>8} {'vs def':>6} {'err':>7}"]
+           f"{'kern TF':>7} {'main ms':>8} {'il main':>8} {'vs def':>6} {'err':>7}"]
+
+    def kernel_ms(r):
+        return r.get("il_kernel_ms") or r.get("kernel_ms")
     base = {}
     for r in records:
         if r.get("variant") == "default" and r.get("status") == "ok":
-            base[(r["row"], r["deterministic"])] = r.get("kernel_ms")
+            base[(r["row"], r["deterministic"])] = r
     best = {}
     for r in records:
         if "row" not in r:
@@ -497,16 +573,18 @@ def table(records: list[dict]) -> str:
             out.append(f"{r['row']:<26} {label:<20} {r['status']:<7} {r.get('message', '')[:80]}")
             continue
         ref = base.get((r["row"], r["deterministic"]))
-        speed = ref / r["kernel_ms"] if ref and r.get("kernel_ms") else float("nan")
+        same_clock = ref is not None and ("il_kernel_ms" in ref) == ("il_kernel_ms" in r)
+        speed = kernel_ms(ref) / kernel_ms(r) if same_clock and kernel_ms(ref) and kernel_ms(r) else float("nan")
         worst = max(r.get("errors", {}).values(), default=float("nan"))
         out.append(f"{r['row']:<26} {label:<20} {r['status']:<7} {r['wall_ms']:>8.3f} {r['wall_tflops']:>7.0f} "
                    f"{r.get('kernel_ms', float('nan')):>8.3f} {r.get('kernel_tflops', float('nan')):>7.0f} "
-                   f"{r.get('main_ms', float('nan')):>8.3f} {speed:>6.3f} {worst:>7.1e}")
-        if r["status"] == "ok" and r.get("kernel_ms") and not r["deterministic"]:
-            if r["row"] not in best or r["kernel_ms"] < best[r["row"]][1]:
-                best[r["row"]] = (r["variant"], r["kernel_ms"], speed)
+                   f"{r.get('main_ms', float('nan')):>8.3f} {r.get('il_main_ms', float('nan')):>8.3f} "
+                   f"{speed:>6.3f} {worst:>7.1e}")
+        if r["status"] == "ok" and kernel_ms(r) and not r["deterministic"]:
+            if r["row"] not in best or kernel_ms(r) < best[r["row"]][1]:
+                best[r["row"]] = (r["variant"], kernel_ms(r), speed)
     out.append("")
-    out.append("fastest correct configuration per row (kernel time; speed-up over default):")
+    out.append("fastest correct configuration per row (kernel time, in turns where timed so; speed-up over default):")
     for row, (variant, ms, speed) in best.items():
         out.append(f"  {row:<26} {variant:<20} {ms:.3f} ms  x{speed:.3f}")
     return "\n".join(out)
@@ -523,11 +601,14 @@ def main(argv=None):
                     help="seconds a case may go without progress, compile included (default 60)")
     ap.add_argument("--cases", default="", help="comma-separated subset of case names (row/variant[/det])")
     ap.add_argument("--list", action="store_true", help="print the case names and exit")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="after a row's cases, time its passing configurations again in this many rotated rounds "
+                         "(1: no second timing); the table compares those (default 5)")
     ap.add_argument("--selftest", action="store_true", help=argparse.SUPPRESS)  # watchdog test, no GPU
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child is not None:
-        child([c for c in args.child.split(",") if c])
+        child([c for c in args.child.split(",") if c], args.rounds)
         return 0
     cases = (["selftest/ok", "selftest/hang", "selftest/after", "selftest/hang/det"] if args.selftest
              else case_list())
@@ -547,7 +628,7 @@ def main(argv=None):
             json.dump(records, f, indent=1)
 
     print(f"{len(cases)} cases, budget {args.budget:.0f} s", flush=True)
-    records = sweep(cases, args.case_timeout, deadline, save)
+    records = sweep(cases, args.case_timeout, deadline, save, args.rounds)
     save(records)
     print(table(records), flush=True)
     bad = [r for r in records if r.get("status") not in ("ok",)]

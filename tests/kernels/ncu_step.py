@@ -4,7 +4,8 @@
         --section WarpStateStats ... python tests/kernels/ncu_step.py causal 4 4096 128
 
 Each backend runs the step twice (the first compiles); profile the second with `--launch-skip`/`--launch-count` or
-keep both. FA4 runs only when flash_attn.cute imports and spells the variant.
+keep both. The peer (fifth argument) is `fa4` (flash_attn.cute called directly; runs only when it imports and spells
+the variant) or `flex-flash` (torch's flex_attention with BACKEND=FLASH, FA4's kernels with its block-sparse tiles).
 """
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ import sys
 import torch
 
 
-def main(variant: str = "dense", B: int = 4, S: int = 4096, D: int = 128, H: int = 16) -> None:
+def main(variant: str = "dense", B: int = 4, S: int = 4096, D: int = 128, peer: str = "fa4", H: int = 16) -> None:
     import flexlab
     from flexlab.bench.cases import build_case
-    from flexlab.bench.peers import Unavailable, prepare_fa4
+    from flexlab.bench.peers import Unavailable, prepare_fa4, prepare_flex_flash
 
     case = build_case(variant, B, H, S, "cuda")
     bm = flexlab.create_block_mask(case.mask_mod, None, None, S, S, device="cuda") if case.mask_mod else None
@@ -26,9 +27,9 @@ def main(variant: str = "dense", B: int = 4, S: int = 4096, D: int = 128, H: int
         flexlab.flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm, backend="cute").backward(dout)
     torch.cuda.synchronize()
     try:
-        prep = prepare_fa4(case, q, k, v, bm, True)
+        prep = (prepare_flex_flash if peer == "flex-flash" else prepare_fa4)(case, q, k, v, bm, True)
     except Unavailable as e:
-        print("fa4:", e)
+        print(f"{peer}:", e)
         return
     for _ in range(2):
         prep.call().backward(prep.from_bhsd(dout))
@@ -37,4 +38,4 @@ def main(variant: str = "dense", B: int = 4, S: int = 4096, D: int = 128, H: int
 
 if __name__ == "__main__":
     a = sys.argv[1:]
-    main(a[0] if a else "dense", *(int(x) for x in a[1:4]))
+    main(a[0] if a else "dense", *(int(x) for x in a[1:4]), *a[4:5])

@@ -209,3 +209,29 @@ def test_sweep_lists_every_candidate_and_reports_a_hang(tmp_path):
     # the hanging configuration's later case is skipped, not waited for again
     assert status == {"selftest/ok": "ok", "selftest/hang": "timeout", "selftest/after": "ok",
                       "selftest/hang/det": "skipped"}, status
+
+
+def test_bwd_sweep_table_prefers_times_taken_in_turns():
+    """A row timed again in turns is compared on those times; a row without them on its one-by-one times, never a
+    mix of the two clocks."""
+    from bwd_perf_sweep import _attach_interleaved, table
+
+    def rec(row, variant, kernel_ms):
+        return {"case": f"{row}/{variant}", "row": row, "variant": variant, "deterministic": False, "status": "ok",
+                "wall_ms": kernel_ms, "wall_tflops": 1.0, "kernel_ms": kernel_ms, "kernel_tflops": 1.0,
+                "main_ms": kernel_ms, "errors": {"dq": 1e-3}}
+    records = [rec("a", "default", 10.0), rec("a", "x", 9.0), rec("b", "default", 4.0), rec("b", "x", 5.0)]
+    times = {"a/default": {"wall_ms": 9.5, "kernel_ms": 9.0, "main_ms": 8.9, "kernel_rounds": [9.0] * 5,
+                           "wall_rounds": [9.5] * 5},
+             "a/x": {"wall_ms": 9.8, "kernel_ms": 10.0, "main_ms": 9.9, "kernel_rounds": [10.0] * 5,
+                     "wall_rounds": [9.8] * 5}}
+    _attach_interleaved(records, {"row": "a", "times": times})
+    assert records[1]["il_main_ms"] == 9.9 and "il_main_ms" not in records[2]
+    text = table(records)
+    line_a = next(line for line in text.splitlines() if line.startswith("a ") and " x " in line)
+    line_b = next(line for line in text.splitlines() if line.startswith("b ") and " x " in line)
+    assert " 0.900 " in line_a  # 9.0 / 10.0 in turns, not 10.0 / 9.0 one by one
+    assert " 0.800 " in line_b  # 4.0 / 5.0, the only clock row b has
+    assert "a                          default" in text.split("fastest")[1]
+    _attach_interleaved(records, {"row": "b", "error": "RuntimeError: boom"})
+    assert records[3]["interleaved_error"] == "RuntimeError: boom"
