@@ -2,8 +2,9 @@
 
 The backward CTA owns `tile_n` rows of K/V (64 per consumer warpgroup) and walks Q in `tile_m`-row steps, so a
 BlockMask drives it when its KV block size is a multiple of `tile_n` and its Q block size a multiple of `tile_m`.
-`tile_m` (64 or 128) divides torch's default BLOCK_SIZE=128 and `tile_n` is 128, the forward's KV tile, so one mask
-built at that size serves both passes for every supported head dim (`shares_block_mask_with_forward`).
+With a block mask `tile_m` (64 or 128) divides torch's default BLOCK_SIZE=128 and `tile_n` is 128, the forward's KV
+tile, so one mask built at that size serves both passes for every supported head dim
+(`shares_block_mask_with_forward`); without one, D=128 steps 80 rows (`DENSE_TILE_M`).
 
 The boolean fields are speed options; each setting is a separate compiled kernel, and
 `tests/kernels/bwd_perf_sweep.py` times and checks every candidate against the default on the H200. The default
@@ -69,6 +70,13 @@ D64_TILE_M = 128
 # diffusion, 2-D neighbourhood and sliding-tile masks (19-39 operations) spilled 240-500 bytes, none at 64 rows
 # (benchmarks/results/gallery_backward_spills_2026-11-30.json).
 D64_MAX_MASK_OPS = 12
+# Q rows per step at head_dim 128 without a block mask and without per-score gradient work, with dQ computed
+# transposed (`dq_swap_ab`): each step reads K and V (the S^T and dP^T GEMMs' A operands) and K^T (dQ's) from shared
+# memory whatever its row count, and shared-memory bandwidth is what bounds this kernel (Nsight: ~0.75 wavefronts per
+# SM cycle, 76% of them wgmma operand reads), so 80 rows read 7.5% fewer bytes per row than 64 (FA3/FA4's dense
+# tile). Main kernel 1.02x at B4·S4k, 1.04x at B1·S16k, timed in turns (bwd_tile_m80_h200_2026-12-01.json). Fills
+# shared memory (231424 of 232448 bytes); 80 divides no mask block size, hence no block mask.
+DENSE_TILE_M = 80
 # Block-sparse backward kernels run their KV tiles longest-first within L2-sized head groups (`lpt_order`).
 LPT_ORDER = True
 # `lpt_order`: bytes of Q, dO and the fp32 dQ sums one group of (batch, KV head) pairs may hold in L2 together.
@@ -94,6 +102,9 @@ class BwdConfig:
     # a suspend-time hint before the wait loop that lets warps sleep (`FwdConfig.try_wait_first`). A sweep
     # candidate, not yet timed.
     try_wait_first: bool = False
+    # dQ is computed transposed, dQ^T = K^T dS^T: the head dim on wgmma's M axis (64 per consumer warpgroup) and
+    # the query rows on N, so a step may take any multiple of 16 rows, not only 64 or 128 (`DENSE_TILE_M`).
+    dq_swap_ab: bool = False
     # Block-sparse only: partial blocks read their mask from bits stored by the launcher (`runtime.mask_bits`, rows =
     # keys, 64 or 128 query columns) instead of evaluating mask_mod; chosen where the forward's are
     # (`kernels.config.STORE_MASK_BITS`: masks that read captured tensors).
@@ -106,8 +117,8 @@ class BwdConfig:
     @property
     def dq_layout(self) -> tuple:
         """How the dQ partials sit in the fp32 accumulator, which the postprocess must know to read them back:
-        (query rows per tile, consumer warpgroups, dQ split by rows rather than columns)."""
-        return (self.tile_m, self.num_consumer_wgs, self.dq_split_rows)
+        (query rows per tile, consumer warpgroups, dQ split by rows rather than columns, dQ computed transposed)."""
+        return (self.tile_m, self.num_consumer_wgs, self.dq_split_rows, self.dq_swap_ab)
 
     @property
     def num_threads(self) -> int:
@@ -144,6 +155,11 @@ class BwdConfig:
             return "num_stages must be at least 1"
         if self.head_dim % (8 * self.num_consumer_wgs):
             return "head_dim must split evenly over the consumer warpgroups for the dQ GEMM"
+        if self.dq_swap_ab and (self.dq_split_rows or self.head_dim != 64 * self.num_consumer_wgs):
+            return (f"dq_swap_ab puts 64 head-dim columns of dQ^T on each of the {self.num_consumer_wgs} consumer "
+                    f"warpgroups: head_dim must be {64 * self.num_consumer_wgs} and dq_split_rows off")
+        if not self.dq_swap_ab and self.tile_m % 64:
+            return f"tile_m={self.tile_m}: the dQ GEMM (wgmma M = query rows) needs a multiple of 64, or dq_swap_ab"
         if self.dq_split_rows and self.tile_m != 64 * self.num_consumer_wgs:
             return (f"dq_split_rows gives each of the {self.num_consumer_wgs} consumer warpgroups 64 query rows of "
                     f"dQ: tile_m must be {64 * self.num_consumer_wgs}, got {self.tile_m}")
@@ -158,8 +174,8 @@ class BwdConfig:
         # Per consumer thread: dK + dV accumulators (head_dim/2 each), S^T and dP^T (tile_m/2 each). A score_mod
         # adds the pre-mod scores (tile_m/2) while dS is formed; the compile report (ptxas) has the last word.
         live = self.head_dim + self.tile_m
-        if live + 40 > consumer:
-            return f"about {live + 40} live registers per consumer thread, only {consumer} after setmaxnreg"
+        if live + 32 > consumer:
+            return f"about {live + 32} live registers per consumer thread, only {consumer} after setmaxnreg"
         return None
 
     def validate(self) -> BwdConfig:
@@ -188,6 +204,8 @@ def default_bwd_config(head_dim: int, deterministic: bool = False, mod_grads: bo
       `D64_MAX_MASK_OPS` operations (`mask_ops`), and when the block mask's Q block (`q_block`, None without a mask)
       is a multiple of 128;
     - with a block mask outside deterministic mode, `lpt_order` (`LPT_ORDER`);
+    - at head_dim 128 without a block mask and without `mod_grads`, 80-row Q steps with dQ computed transposed
+      (`DENSE_TILE_M`, `dq_swap_ab`);
     - with those 128-row steps, `dq_split_rows`: each consumer warpgroup forms 64 rows of dQ over all 64 columns
       (wgmma N = 64, not 32). Main kernel 1.01x dense, 1.05-1.07x causal, sliding window and documents at B1·S16k,
       1.02x deterministic causal (benchmarks/results/bwd_d64_rows_h200_2026-11-30.json); at 64-row steps it does
@@ -197,8 +215,11 @@ def default_bwd_config(head_dim: int, deterministic: bool = False, mod_grads: bo
     if (head_dim == 64 and not mod_grads and mask_ops <= D64_MAX_MASK_OPS
             and (q_block is None or q_block % D64_TILE_M == 0)):
         tile_m = D64_TILE_M
+    swap = head_dim == 128 and q_block is None and not mod_grads
+    if swap:
+        tile_m = DENSE_TILE_M
     return BwdConfig(head_dim=head_dim, tile_m=tile_m, kv_tiles_first=not deterministic,
-                     dq_split_rows=head_dim == 64 and tile_m == 64 * 2,
+                     dq_split_rows=head_dim == 64 and tile_m == 64 * 2, dq_swap_ab=swap,
                      lpt_order=LPT_ORDER and not deterministic and q_block is not None)
 
 
@@ -206,7 +227,7 @@ def shares_block_mask_with_forward(head_dim: int, block_size: int = 128) -> bool
     """True when one BlockMask at `block_size` drives both the forward and the backward kernel."""
     from ..runtime.sparsity import block_size_incompatibility  # the forward's own rule (192-row tiles merge rows)
     fwd = default_config(head_dim, block_sparse=True)
-    bwd = default_bwd_config(head_dim)
+    bwd = default_bwd_config(head_dim, q_block=block_size)
     return (block_size_incompatibility((block_size, block_size), fwd.tile_m, fwd.tile_n) is None
             and bwd.block_mask_error(block_size, block_size) is None)
 
@@ -236,6 +257,9 @@ def candidate_bwd_configs(head_dim: int, deterministic: bool = False,
         "mask_late" if base.mask_early else "mask_early": replace(base, mask_early=not base.mask_early),
         "try_wait_first": replace(base, try_wait_first=True),
     }
+    if base.dq_swap_ab:  # (no block mask: 80 divides no mask block size, so no other Q-step question either)
+        cands["tile_m64"] = replace(base, tile_m=64, dq_swap_ab=False)
+        cands["tile_m64_swap"] = replace(base, tile_m=64)
     if deterministic:  # `neither` is then the other order with global stats: not a new question
         del cands["neither"]
     else:  # block-sparse rows only (the launcher drops it without a block mask)

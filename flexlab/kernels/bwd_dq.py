@@ -36,13 +36,24 @@ DQ_HANDOFF_THREADS = 128 + 32
 SLAB_LINE = 256
 
 
-def make_dq_tiled_mma(dtype, head_dim: int, num_wg: int, split_rows: bool):
+def make_dq_tiled_mma(dtype, head_dim: int, num_wg: int, split_rows: bool, swap_ab: bool = False, tile_m: int = 64):
     """dQ = dS K over the consumer warpgroups: each forms 64 query rows over every column (`split_rows`) or every
-    row over head_dim / num_wg columns. The postprocess builds the same one to find where each element belongs."""
+    row over head_dim / num_wg columns; or (`swap_ab`) dQ^T = K^T dS^T, each forming 64 head-dim rows over all
+    tile_m query columns (A = K^T read transposed from shared memory). The postprocess builds the same one to find
+    where each element belongs."""
+    if swap_ab:
+        return sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, OperandMajorMode.MN, OperandMajorMode.K, Float32, atom_layout_mnk=(num_wg, 1, 1),
+            tiler_mn=(64, tile_m))
     return sm90_utils.make_trivial_tiled_mma(
         dtype, dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
         atom_layout_mnk=(num_wg, 1, 1) if split_rows else (1, num_wg, 1),
         tiler_mn=(64, head_dim if split_rows else head_dim // num_wg))
+
+
+def dq_fragment_shape(thr_mma, tile_m: int, head_dim: int, swap_ab: bool):
+    """Shape of one thread's dQ accumulator: over (tile_m, head_dim), or (head_dim, tile_m) when transposed."""
+    return thr_mma.partition_shape_C((head_dim, tile_m) if swap_ab else (tile_m, head_dim))
 
 
 def dq_slab_layout(slab_elems: int, num_wg: int):
@@ -52,7 +63,8 @@ def dq_slab_layout(slab_elems: int, num_wg: int):
 
 def dq_accum_lines(mdQaccum: cute.Tensor, head_dim: int):
     """(lines, 256, H, B) view of the (B, H, Sq_pad, head_dim) fp32 accumulator, whose (batch, head) block is a
-    sequence of slabs: the TMA reduce's destination. Sq_pad is a multiple of 64, so the lines are whole."""
+    sequence of slabs: the TMA reduce's destination. Sq_pad is a multiple of tile_m (64, 80 or 128) and a slab of
+    tile_m * head_dim / warpgroups elements a multiple of 256, so the lines are whole."""
     B, H, S = mdQaccum.shape[0], mdQaccum.shape[1], mdQaccum.shape[2]
     return cute.make_tensor(mdQaccum.iterator, cute.make_layout(
         (S * head_dim // SLAB_LINE, SLAB_LINE, H, B),

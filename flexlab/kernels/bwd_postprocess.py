@@ -14,7 +14,7 @@ import cutlass.cute as cute
 from cutlass import Float32
 from cutlass.memory import SmemAllocator
 
-from .bwd_dq import fragment_order, make_dq_tiled_mma
+from .bwd_dq import dq_fragment_shape, fragment_order, make_dq_tiled_mma
 from .layout import convert_to_16bit
 
 CHUNK = 8  # 16-bit elements per 16-byte store
@@ -26,7 +26,7 @@ class BwdPostprocess:
 
     def __init__(self, dtype, head_dim: int, dq_layout: tuple):
         self.dtype, self.head_dim = dtype, head_dim
-        self.tile_m, self.num_wg, self.split_rows = dq_layout
+        self.tile_m, self.num_wg, self.split_rows, self.swap_ab = (tuple(dq_layout) + (False,))[:4]
         self.num_threads = 128 * self.num_wg
         if head_dim % CHUNK or (self.tile_m * head_dim // CHUNK) % self.num_threads:
             raise ValueError(f"head_dim={head_dim} with dQ layout {dq_layout} is not supported by the dQ postprocess")
@@ -36,7 +36,8 @@ class BwdPostprocess:
     @cute.jit
     def __call__(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, scale: Float32, stream: cuda.CUstream):
         """mdQaccum (B, H, Sq_padded, D) fp32; mdQ (B, H, Sq, D) in the input dtype."""
-        tiled_mma = make_dq_tiled_mma(self.dtype, self.head_dim, self.num_wg, self.split_rows)
+        tiled_mma = make_dq_tiled_mma(self.dtype, self.head_dim, self.num_wg, self.split_rows, self.swap_ab,
+                                      self.tile_m)
         grid = [cute.ceil_div(mdQ.shape[2], self.tile_m), mdQ.shape[1], mdQ.shape[0]]
         smem = self.tile_m * self.pitch * self.dtype.width // 8
         self.kernel(mdQaccum, mdQ, scale, tiled_mma).launch(grid=grid, block=[self.num_threads, 1, 1], smem=smem,
@@ -48,7 +49,7 @@ class BwdPostprocess:
         m_block, head, batch = cute.arch.block_idx()
         tile_m, hd = self.tile_m, self.head_dim
         thr = tiled_mma.get_slice(tidx)
-        frag_shape = thr.partition_shape_C((tile_m, hd))
+        frag_shape = dq_fragment_shape(thr, tile_m, hd, self.swap_ab)
 
         # This query tile's num_wg slabs, contiguous in dQaccum; thread tidx reads back its own fragment.
         gtile = cute.local_tile(mdQaccum[batch, head, None, None], (tile_m, hd), (m_block, 0))
@@ -63,7 +64,11 @@ class BwdPostprocess:
 
         staged = SmemAllocator().allocate_tensor(self.dtype, cute.make_layout((tile_m, hd), stride=(self.pitch, 1)),
                                                  byte_alignment=16)
-        cute.autovec_copy(out, thr.partition_C(staged))
+        if cutlass.const_expr(self.swap_ab):  # the fragment is of dQ^T: place it through a transposed view
+            cute.autovec_copy(out, thr.partition_C(cute.make_tensor(
+                staged.iterator, cute.make_layout((hd, tile_m), stride=(1, self.pitch)))))
+        else:
+            cute.autovec_copy(out, thr.partition_C(staged))
         cute.arch.barrier()
 
         chunks_per_row = hd // CHUNK

@@ -12,7 +12,8 @@ stored once, without atomics, and are the same bits on every run.
     mask_mod applied on partial blocks only and the key tail masked; dS = P * (dP - D);
   * the code generator's `score_mod_bwd` turns dS into the gradient of the raw score, and `score_mod_aux_grad` adds
     the gradients of captured tensors (learnable biases) with fp32 atomics, both inlined per element;
-  * dS is written to shared memory (double-buffered), both warpgroups compute half of dQ = dS K each and write it
+  * dS is written to shared memory (double-buffered), both warpgroups compute half of dQ = dS K each (or, for
+    steps that are not a multiple of 64 rows, half of dQ^T = K^T dS^T: `BwdConfig.dq_swap_ab`) and write it
     to a shared-memory slab in their accumulators' register order, which the dQ warp adds into the fp32 dQ buffer
     with one TMA reduce-add per warpgroup (`bwd_postprocess` puts the elements in place and scales them);
   * epilogue: dK (times the softmax scale) and dV go to shared memory over K and V and out with TMA stores.
@@ -52,8 +53,8 @@ from cutlass.tensor_utils import LayoutEnum
 
 from .block_sparse import KvSchedule
 from .bwd_config import BwdConfig
-from .bwd_dq import (DQ_HANDOFF_THREADS, SLAB_LINE, BwdDqReduce, dq_accum_lines, dq_issuer, dq_slab_layout,
-                     fragment_order, make_dq_tiled_mma)
+from .bwd_dq import (DQ_HANDOFF_THREADS, SLAB_LINE, BwdDqReduce, dq_accum_lines, dq_fragment_shape, dq_issuer,
+                     dq_slab_layout, fragment_order, make_dq_tiled_mma)
 from .bwd_producer import BwdProducer
 from .bwd_step import BwdStep, StepOperands, opaque_i32
 from .layout import bshd_view, convert_to_16bit, tma_tiles, transpose_smem
@@ -90,6 +91,7 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         self.stats_in_smem, self.dk_after_dq = cfg.stats_in_smem, cfg.dk_after_dq
         self.try_wait_first = cfg.try_wait_first
         self.kv_tiles_first, self.dq_split_rows = cfg.kv_tiles_first, cfg.dq_split_rows
+        self.dq_swap_ab = cfg.dq_swap_ab
         # Each consumer warpgroup's box of the dQ partial: all tile_m rows and head_dim / warpgroups columns, or (with
         # dq_split_rows) 64 rows and every column.
         self.dq_rows = 64 if self.dq_split_rows else self.tile_m
@@ -149,7 +151,7 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         tiled_mma_dkv = sm90_utils.make_trivial_tiled_mma(  # dV += P^T dO, dK += dS^T Q (A from registers)
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
             atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, hd), a_source=warpgroup.OperandSource.RMEM)
-        tiled_mma_dq = make_dq_tiled_mma(self.dtype, hd, self.num_wg, self.dq_split_rows)
+        tiled_mma_dq = make_dq_tiled_mma(self.dtype, hd, self.num_wg, self.dq_split_rows, self.dq_swap_ab, tile_m)
 
         atom_d = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, hd), self.dtype)
@@ -286,14 +288,18 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         tVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sdO)))
         tKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sQ)))
         tVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((self.tile_n, self.tile_m)))
-        tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
-        tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(sK)))
+        if cutlass.const_expr(self.dq_swap_ab):  # dQ^T = K^T dS^T
+            tQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(sdS))
+            tQrKt = wg_dq.make_fragment_A(wg_dq.partition_A(transpose_smem(sK)))
+        else:
+            tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
+            tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(sK)))
         acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
         acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
         acc_dK.fill(0.0)
         acc_dV.fill(0.0)
         s_shape = wg_sdp.partition_shape_C((self.tile_n, self.tile_m))
-        dq_shape = wg_dq.partition_shape_C((self.tile_m, self.head_dim))
+        dq_shape = dq_fragment_shape(wg_dq, self.tile_m, self.head_dim, self.dq_swap_ab)
         # Element i of a transposed-score accumulator sits at (q, kv) = coords[i], as the forward's helpers expect.
         coords = thr_sdp.partition_C(transpose_smem(cute.make_identity_tensor((self.tile_m, self.tile_n))))
         # dS^T leaves the registers through transposing stmatrix, landing as dS (q rows, kv contiguous) in sdS.

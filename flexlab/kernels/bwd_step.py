@@ -164,15 +164,21 @@ class BwdStep:
         if cutlass.const_expr(self.dk_after_dq):
             # dQ first, then dK; waiting for all but the newest group leaves dK on the tensor cores while the dQ
             # partial goes to shared memory and TMA. The stage (Q is dK's B operand) is released once dK is done.
-            wgmma(tiled_mma_dq, acc_dQ, ops.tQrdS[None, None, None, ds_stage], ops.tQrKt, True, -1)
+            wgmma(tiled_mma_dq, acc_dQ, *self.dq_operands(ops, ds_stage), True, -1)
             wgmma(tiled_mma_dkv, acc_dK, as_operand_a(rdS), ops.tKrQt[None, None, None, stage], False, 1)
             self.reduce_dq(acc_dQ, ops.dq_store_view(), tdQs, tdQg, tma_dq, m_block, order, batch, head, wg)
             warpgroup.wait_group(0)
             pipe_qdo.consumer_release(state)
         else:
-            wgmma(tiled_mma_dq, acc_dQ, ops.tQrdS[None, None, None, ds_stage], ops.tQrKt, True, 0)
+            wgmma(tiled_mma_dq, acc_dQ, *self.dq_operands(ops, ds_stage), True, 0)
             pipe_qdo.consumer_release(state)
             self.reduce_dq(acc_dQ, ops.dq_store_view(), tdQs, tdQg, tma_dq, m_block, order, batch, head, wg)
+
+    def dq_operands(self, ops: StepOperands, ds_stage: Int32) -> tuple:
+        """(A, B) of the dQ GEMM: dS and K^T, or K^T and dS for the transposed dQ^T = K^T dS^T (`dq_swap_ab`)."""
+        if cutlass.const_expr(self.dq_swap_ab):
+            return ops.tQrKt, ops.tQrdS[None, None, None, ds_stage]
+        return ops.tQrdS[None, None, None, ds_stage], ops.tQrKt
 
     def row_stat(self, mRows, sRows, batch: Int32, head: Int32, q_start: Int32, q: Int32, stage: Int32) -> Float32:
         """LSE2 or D of query row q of this tile: from this stage's shared-memory copy (stats_in_smem) or from the

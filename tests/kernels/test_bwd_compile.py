@@ -52,8 +52,9 @@ def _main_key(D, block_sparse=False, g=None, deterministic=False):
     from flexlab.kernels.bwd_config import default_bwd_config
     from flexlab.kernels.bwd_launch import BwdKey, config_for
     if g is None:
-        return BwdKey("", False, False, False, (), (), (), "bfloat16", default_bwd_config(D), block_sparse,
-                      deterministic)
+        # as the launcher picks it: without a mask, D=128 steps 80 rows with dQ transposed
+        cfg = default_bwd_config(D, deterministic, q_block=128 if block_sparse else None)
+        return BwdKey("", False, False, False, (), (), (), "bfloat16", cfg, block_sparse, deterministic)
     aux = g.kernel_aux_tensors()
     # as the launcher picks it for a mask at torch's default block size
     cfg = config_for(D, deterministic, g, any(g.aux_requires_grad), 128 if block_sparse else None)
@@ -63,12 +64,12 @@ def _main_key(D, block_sparse=False, g=None, deterministic=False):
                   tuple(t.dim() for t, rg in zip(aux, g.aux_requires_grad) if rg), "bfloat16", cfg, block_sparse)
 
 
-def _check_main(ptx, report, D):
+def _check_main(ptx, report, D, tile_m=64):
     _no_spills(report)
     assert "ld.local" not in ptx and "st.local" not in ptx
     n = D if D == 64 else 128
     assert f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16" in ptx  # dK/dV GEMMs, N = head dim
-    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx  # S^T and dP^T, N = tile_m
+    assert f"wgmma.mma_async.sync.aligned.m64n{tile_m}k16.f32.bf16.bf16" in ptx  # S^T and dP^T, N = tile_m
     assert "cp.reduce.async.bulk.tensor" in ptx and ".add." in ptx  # dQ partials reduced by TMA
     assert "cp.async.bulk.tensor.4d.shared::cta.global" in ptx  # TMA loads
     assert "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx  # dS^T written transposed
@@ -78,16 +79,18 @@ def _check_main(ptx, report, D):
 @pytest.mark.parametrize("D,block_sparse", [(64, False), (128, False), (128, True)])
 def test_main_kernel_compiles_without_spills(D, block_sparse):
     from flexlab.kernels.bwd_launch import compile_main
-    ptx, report = _assemble(compile_main(_main_key(D, block_sparse), None, options=" --keep-ptx"))
-    _check_main(ptx, report, D)
+    key = _main_key(D, block_sparse)
+    ptx, report = _assemble(compile_main(key, None, options=" --keep-ptx"))
+    _check_main(ptx, report, D, key.config.tile_m)
 
 
 @pytest.mark.parametrize("D,block_sparse", [(128, False), (64, True)])
 def test_deterministic_kernel_orders_dq_reductions(D, block_sparse):
     """Deterministic mode: each dQ reduce waits (acquire) for its turn and signals the next KV tile (release)."""
     from flexlab.kernels.bwd_launch import compile_main
-    ptx, report = _assemble(compile_main(_main_key(D, block_sparse, deterministic=True), None, options=" --keep-ptx"))
-    _check_main(ptx, report, D)
+    key = _main_key(D, block_sparse, deterministic=True)
+    ptx, report = _assemble(compile_main(key, None, options=" --keep-ptx"))
+    _check_main(ptx, report, D, key.config.tile_m)
     assert "ld.acquire.gpu.global.b32" in ptx
     assert "red.release.gpu.global.add.s32" in ptx
     assert re.search(r"cp\.async\.bulk\.wait_group\s+0", ptx), "the reduce must have landed before the release"
@@ -168,8 +171,9 @@ def test_main_kernel_with_learnable_bias_and_mask_d64():
     """score_mod + its derivative + captured-tensor gradient atomics + mask_mod, inlined, still without spills."""
     from flexlab.kernels.bwd_launch import compile_main
     g = _learnable_bias_mods()
-    ptx, report = _assemble(compile_main(_main_key(64, True, g), g.module(), options=" --keep-ptx"))
-    _check_main(ptx, report, 64)
+    key = _main_key(64, True, g)
+    ptx, report = _assemble(compile_main(key, g.module(), options=" --keep-ptx"))
+    _check_main(ptx, report, 64, key.config.tile_m)
     assert "atom.global.add.f32" in ptx  # the bias table's gradient
 
 
@@ -241,7 +245,11 @@ def test_head_dim_64_steps_128_query_rows_only_where_it_pays():
     assert default_bwd_config(64, mod_grads=True).tile_m == 64
     assert default_bwd_config(64, q_block=64).tile_m == 64
     assert default_bwd_config(64, q_block=64).block_mask_error(64, 128) is None
-    assert default_bwd_config(128).tile_m == 64
+    assert default_bwd_config(128, q_block=128).tile_m == 64 and not default_bwd_config(128, q_block=128).dq_swap_ab
+    # without a block mask D=128 steps 80 rows, dQ computed transposed; not where every score carries gradient work
+    assert default_bwd_config(128).tile_m == 80 and default_bwd_config(128).dq_swap_ab
+    assert default_bwd_config(128, deterministic=True).tile_m == 80
+    assert default_bwd_config(128, mod_grads=True).tile_m == 64
 
 
 def test_launcher_counts_derivatives_and_captured_grads_as_gradient_work():
