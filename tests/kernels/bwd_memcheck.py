@@ -53,8 +53,8 @@ def main(argv=None) -> int:
     if args.config != "default":
         from flexlab.kernels import bwd_launch
         from flexlab.kernels.bwd_config import candidate_bwd_configs
-        bwd_launch._config = lambda head_dim, deterministic: candidate_bwd_configs(head_dim,
-                                                                                  deterministic)[args.config]
+        bwd_launch._config = lambda head_dim, deterministic, *rest: candidate_bwd_configs(head_dim,
+                                                                                         deterministic)[args.config]
     for D in (() if args.no_basic else (64, 128)):
         _run(200, 333, D, 2)
         _run(333, 200, D, 4, with_lse=True)

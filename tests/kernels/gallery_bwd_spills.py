@@ -1,0 +1,76 @@
+"""Backward main kernel of every gallery variant, compiled for sm_90a on a CPU with the launcher's own configuration
+(trainable tensors requiring grad, a block mask at torch's 128 where the variant has a mask_mod), and ptxas -v's
+spill bytes and registers per kernel (not a test; no GPU):
+
+    python tests/kernels/gallery_bwd_spills.py OUT.json [--head-dims 64,128] [--jobs 2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+
+def compile_variant(job: tuple) -> dict:
+    name, D = job
+    import os
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bwd_option_report import compile_ptx, ptxas_report
+
+    from flexlab.backends import cute as backend
+    from flexlab.codegen import generate
+    from flexlab.gallery import get_variant
+    from flexlab.kernels.bwd_launch import BwdKey, config_for
+    variant = get_variant(name)
+    mods = variant.build(1, 4, 256, 256)
+    for t in variant.trainable:
+        mods.tensors[t].requires_grad_(True)
+    g = generate(mods.score_mod, mods.mask_mod, fastmath=True)
+    sparse = mods.mask_mod is not None
+    aux = g.kernel_aux_tensors()
+    grads = any(g.aux_requires_grad)
+    bits = sparse and backend.stores_mask_bits(mods.score_mod, mods.mask_mod)
+    cfg = config_for(D, False, g, grads, 128 if sparse else None)
+    if bits:
+        from flexlab.kernels.bwd_launch import with_mask_bits
+        cfg = with_mask_bits(cfg)
+    key = BwdKey(g.hash, g.has_score_mod, g.has_mask_mod and sparse, grads and g.has_score_mod,
+                 tuple((str(t.dtype).removeprefix("torch."), t.dim()) for t in aux),
+                 tuple("float" if k == "float" else "int" for k in g.aux_scalar_kinds),
+                 tuple(t.dim() for t, rg in zip(aux, g.aux_requires_grad) if rg), "bfloat16", cfg, sparse, False)
+    rec = {"name": name, "D": D, "tile_m": cfg.tile_m, "dq_swap_ab": cfg.dq_swap_ab, "mask_bits": cfg.mask_bits,
+           "mask_ops": g.mask_op_count if sparse else 0}
+    t0 = time.perf_counter()
+    try:
+        rec.update(ptxas_report(compile_ptx(key, g)))
+        rec["status"] = "ok"
+    except Exception as e:  # noqa: BLE001 - one record per variant
+        rec.update(status="error", message=f"{type(e).__name__}: {e}"[:500])
+    rec["compile_s"] = round(time.perf_counter() - t0, 1)
+    return rec
+
+
+def main(argv=None):
+    from flexlab.gallery import load_gallery
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("out")
+    ap.add_argument("--head-dims", default="64,128")
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--only", default="", help="comma-separated variant names")
+    args = ap.parse_args(argv)
+    names = [n for n in load_gallery() if not args.only or n in args.only.split(",")]
+    jobs = [(n, int(d)) for d in args.head_dims.split(",") for n in names]
+    with ProcessPoolExecutor(args.jobs) as pool:
+        records = list(pool.map(compile_variant, jobs))
+    for r in records:
+        print(f"{r['name']:<26} D={r['D']:<4} tile_m={r['tile_m']:<4} ops={r['mask_ops']:<3} "
+              f"spill {r.get('spill_stores', '?')}/{r.get('spill_loads', '?')} {r['status']} {r.get('message', '')}")
+    with open(args.out, "w") as f:
+        json.dump(records, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
