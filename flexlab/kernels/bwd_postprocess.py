@@ -22,11 +22,11 @@ CHUNK = 8  # 16-bit elements per 16-byte store
 
 class BwdPostprocess:
     """Compile-time configuration: output dtype, head dim and the main kernel's dQ geometry (`BwdConfig.dq_layout`:
-    query rows per tile, consumer warpgroups, whether they split dQ by rows or by columns)."""
+    query rows per tile, consumer warpgroups, whether they split dQ by rows or by columns, whether dQ is transposed)."""
 
     def __init__(self, dtype, head_dim: int, dq_layout: tuple):
         self.dtype, self.head_dim = dtype, head_dim
-        self.tile_m, self.num_wg, self.split_rows, self.swap_ab = (tuple(dq_layout) + (False,))[:4]
+        self.tile_m, self.num_wg, self.split_rows, self.swap_ab = dq_layout
         self.num_threads = 128 * self.num_wg
         if head_dim % CHUNK or (self.tile_m * head_dim // CHUNK) % self.num_threads:
             raise ValueError(f"head_dim={head_dim} with dQ layout {dq_layout} is not supported by the dQ postprocess")
