@@ -74,8 +74,9 @@ D64_MAX_MASK_OPS = 12
 # transposed (`dq_swap_ab`): each step reads K and V (the S^T and dP^T GEMMs' A operands) and K^T (dQ's) from shared
 # memory whatever its row count, and shared-memory bandwidth is what bounds this kernel (Nsight: ~0.75 wavefronts per
 # SM cycle, 76% of them wgmma operand reads), so 80 rows read 7.5% fewer bytes per row than 64 (FA3/FA4's dense
-# tile). Main kernel 1.02x at B4·S4k, 1.04x at B1·S16k, timed in turns (bwd_tile_m80_h200_2026-12-01.json). Fills
-# shared memory (231424 of 232448 bytes); 80 divides no mask block size, hence no block mask.
+# tile). Main kernel, timed in turns: 1.00-1.03x at B4·S4k (two runs), 1.04x at B1·S16k, 1.07x deterministic
+# (bwd_tile_m80_h200_2026-12-01.json). Fills shared memory (231424 of 232448 bytes). 80 divides no mask block size,
+# hence no block mask: steps merging the mask rows they cover measured 0.93-1.03x (bwd_tile_m80_masked_...json).
 DENSE_TILE_M = 80
 # Block-sparse backward kernels run their KV tiles longest-first within L2-sized head groups (`lpt_order`).
 LPT_ORDER = True
