@@ -76,7 +76,8 @@ D64_MAX_MASK_OPS = 12
 # SM cycle, 76% of them wgmma operand reads), so 80 rows read 7.5% fewer bytes per row than 64 (FA3/FA4's dense
 # tile). Main kernel, timed in turns: 1.00-1.03x at B4·S4k (two runs), 1.04x at B1·S16k, 1.07x deterministic
 # (bwd_tile_m80_h200_2026-12-01.json). Fills shared memory (231424 of 232448 bytes). 80 divides no mask block size,
-# hence no block mask: steps merging the mask rows they cover measured 0.93-1.03x (bwd_tile_m80_masked_...json).
+# hence no block mask: steps merging the mask rows they cover measured 0.93-1.03x
+# (bwd_tile_m80_masked_h200_2026-12-01.json).
 DENSE_TILE_M = 80
 # Block-sparse backward kernels run their KV tiles longest-first within L2-sized head groups (`lpt_order`).
 LPT_ORDER = True
@@ -100,8 +101,8 @@ class BwdConfig:
     dq_warp: bool = True
     lpt_order: bool = False  # block-sparse only, never with deterministic mode (see the module docstring)
     # The waits on each Q/dO stage (the consumers' for a full one, the producer's for an empty one) try once without
-    # a suspend-time hint before the wait loop that lets warps sleep (`FwdConfig.try_wait_first`). A sweep
-    # candidate, not yet timed.
+    # a suspend-time hint before the wait loop that lets warps sleep (`FwdConfig.try_wait_first`). Timed in turns:
+    # 0.95-1.02x of the default's main kernel (bwd_step_candidates_h200_2026-12-01.json); off.
     try_wait_first: bool = False
     # dQ is computed transposed, dQ^T = K^T dS^T: the head dim on wgmma's M axis (64 per consumer warpgroup) and
     # the query rows on N, so a step may take any multiple of 16 rows, not only 64 or 128 (`DENSE_TILE_M`).

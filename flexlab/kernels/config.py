@@ -121,7 +121,8 @@ class FwdConfig:
     # Waits on the Q/K/V stages (the consumers' for a full stage, the producer's for an empty one) try once without a
     # suspend-time hint before the wait loop whose hint lets the warps sleep, as FA4's do in effect; ours enter that
     # loop (NANOSLEEP.SYNCS in the SASS) at the first miss. CPU compile: the one difference found between the two
-    # dense D=128 main loops (449 and 455 SASS instructions, the same 16 HGMMA) and producer loops; not yet timed.
+    # dense D=128 main loops (449 and 455 SASS instructions, the same 16 HGMMA) and producer loops. H200, 9 core
+    # rows: 0.97-1.02x, 0.997x geometric mean (fwd_try_wait_first_h200_2026-12-01.json); off.
     try_wait_first: bool = False
     # Debug only, never set by the public API: stages removed for timing (names in ABLATIONS; results are wrong).
     ablate: tuple[str, ...] = ()

@@ -17,29 +17,25 @@ def compile_variant(job: tuple) -> dict:
     name, D = job
     import os
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bwd_option_report import compile_ptx, ptxas_report
+    from bwd_option_report import compile_ptx, key_for, ptxas_report
 
     from flexlab.backends import cute as backend
     from flexlab.codegen import generate
     from flexlab.gallery import get_variant
-    from flexlab.kernels.bwd_launch import BwdKey, config_for
+    from flexlab.kernels.bwd_launch import config_for
     variant = get_variant(name)
     mods = variant.build(1, 4, 256, 256)
     for t in variant.trainable:
         mods.tensors[t].requires_grad_(True)
     g = generate(mods.score_mod, mods.mask_mod, fastmath=True)
     sparse = mods.mask_mod is not None
-    aux = g.kernel_aux_tensors()
     grads = any(g.aux_requires_grad)
     bits = sparse and backend.stores_mask_bits(mods.score_mod, mods.mask_mod)
     cfg = config_for(D, False, g, grads, 128 if sparse else None)
     if bits:
         from flexlab.kernels.bwd_launch import with_mask_bits
         cfg = with_mask_bits(cfg)
-    key = BwdKey(g.hash, g.has_score_mod, g.has_mask_mod and sparse, grads and g.has_score_mod,
-                 tuple((str(t.dtype).removeprefix("torch."), t.dim()) for t in aux),
-                 tuple("float" if k == "float" else "int" for k in g.aux_scalar_kinds),
-                 tuple(t.dim() for t, rg in zip(aux, g.aux_requires_grad) if rg), "bfloat16", cfg, sparse, False)
+    key = key_for(cfg, g, sparse, False)
     rec = {"name": name, "D": D, "tile_m": cfg.tile_m, "dq_swap_ab": cfg.dq_swap_ab, "mask_bits": cfg.mask_bits,
            "mask_ops": g.mask_op_count if sparse else 0}
     t0 = time.perf_counter()
