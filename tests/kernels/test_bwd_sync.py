@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from ptx_dump import KEEP_PTX
 
 cutlass = pytest.importorskip("cutlass")
 
@@ -252,14 +253,14 @@ def test_forward_kernel_passes_the_same_checks(D):
     from flexlab.kernels.config import default_config
     from flexlab.runtime.compile import CompileKey, KernelMods, _build
     key = CompileKey("", False, False, (), (), "bfloat16", default_config(D), "sm_90a", False, False, tvm_ffi=False)
-    assert divergent_collectives(_build(key, KernelMods(), " --keep-ptx").__ptx__) == []
+    assert divergent_collectives(_build(key, KernelMods(), KEEP_PTX).__ptx__) == []
 
 
 def _compile_main(D, block_sparse=False, deterministic=False, g=None):
     from flexlab.kernels.bwd_config import default_bwd_config
     from flexlab.kernels.bwd_launch import BwdKey, compile_main
     key = BwdKey("", False, False, False, (), (), (), "bfloat16", default_bwd_config(D), block_sparse, deterministic)
-    return compile_main(key, options=" --keep-ptx").__ptx__, default_bwd_config(D)
+    return compile_main(key, options=KEEP_PTX).__ptx__, default_bwd_config(D)
 
 
 @pytest.mark.parametrize("D,block_sparse,deterministic", [(64, False, False), (128, False, False),
@@ -336,7 +337,7 @@ def test_backward_with_mods_keeps_its_synchronisation(D):
     key = BwdKey(g.hash, True, True, True, tuple((str(t.dtype).removeprefix("torch."), t.dim()) for t in aux),
                  tuple("float" if k == "float" else "int" for k in g.aux_scalar_kinds),
                  tuple(t.dim() for t, rg in zip(aux, g.aux_requires_grad) if rg), "bfloat16", cfg, True)
-    ptx = compile_main(key, g.module(), options=" --keep-ptx").__ptx__
+    ptx = compile_main(key, g.module(), options=KEEP_PTX).__ptx__
     assert divergent_collectives(ptx) == []
     stats_bytes = 2 * cfg.tile_m * 4 if cfg.stats_in_smem else 0
     assert _expect_tx_bytes(ptx) == {2 * cfg.tile_n * cfg.head_dim * 2, 2 * cfg.tile_m * cfg.head_dim * 2 + stats_bytes}

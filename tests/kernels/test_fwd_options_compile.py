@@ -9,6 +9,7 @@ import shutil
 import warnings
 
 import pytest
+from ptx_dump import KEEP_PTX
 
 pytest.importorskip("cutlass")
 if shutil.which("ptxas") is None:
@@ -39,7 +40,7 @@ def _compile(cfg: FwdConfig, kind: str) -> tuple[str, dict]:
                      mods.aux_scalar_kinds, "bfloat16", cfg, "sm_90a", sparse, sparse, tvm_ffi=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ptx = _build(key, mods, " --keep-ptx").__ptx__
+        ptx = _build(key, mods, KEEP_PTX).__ptx__
     info, log = assemble(ptx)
     report = {"registers": info["registers"], "spill_stores": info["spill_store_bytes"],
               "spill_loads": info["spill_load_bytes"], "serialized": "serialized" in log}
