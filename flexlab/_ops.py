@@ -55,7 +55,7 @@ class ModEntry:
         # Partial-block masks stored as bits for the backward (`runtime.mask_bits`), where mask_mod reads captured
         # tensors; its cache follows in-place edits of them through their version counters.
         from .runtime.mask_bits import store_for
-        self.stored_masks = store_for(g, self.mask_mod, watch=tuple(g.aux_tensors))
+        self.stored_masks = store_for(g, self.mask_mod, watch=tuple(g.mask_aux_tensors))
         self.aux_tensors = list(g.aux_tensors)
         self.aux_scalars = [float(v) for v in g.aux_scalars]
         self.grad_slots = [i for i, rg in enumerate(g.aux_requires_grad) if rg]

@@ -99,9 +99,40 @@ class _Lowered:
         self.mods = KernelMods(module.score_mod if g.has_score_mod else None,
                                module.mask_mod if g.has_mask_mod else None, g.source_hash, specs, kinds)
         self._per_device: dict = {}
-        # Partial-block masks stored as bits where mask_mod reads captured tensors (`runtime.mask_bits`); built for
-        # the captured values of this lowering, which is replaced when they change.
-        self.stored_masks = store_for(g, mask_mod, watch=self.captured)
+        self._generated = g
+        self._captured_ids = frozenset(id(t) for t in self.captured)
+        self._layout = _layouts(self.captured)
+        # Partial-block masks stored as bits where mask_mod reads captured tensors (`runtime.mask_bits`); the store
+        # dates its entries by the captured tensors' versions, so an in-place edit rebuilds them.
+        self.stored_masks = store_for(g, mask_mod, watch=tuple(g.mask_aux_tensors))
+
+    def only_versions_moved(self, old: tuple, new: tuple, tensor_ids: frozenset | None = None) -> bool:
+        """Whether two `_mods_state`s of these mods differ at most in the in-place versions of the tensors they
+        capture (of those in `tensor_ids`, by identity, where given), with the captured tensors' shapes, strides,
+        dtypes and devices as this lowering found them."""
+        ids = self._captured_ids if tensor_ids is None else tensor_ids
+        return _only_versions_moved(old, new, ids) and _layouts(self.captured) == self._layout
+
+    def in_place_ids(self, kernel_tensors: tuple) -> frozenset:
+        """Ids of the captured tensors whose in-place edits leave a launch bound with `kernel_tensors` (`tensors_on`
+        of some device) valid: the kernel reads their own memory, and no stored mask bits come from their values
+        (the next launch simply reads the new values)."""
+        from_bits = {id(t) for t in self._generated.mask_aux_tensors} if self.stored_masks is not None else set()
+        return frozenset(id(c) for t, c in zip(kernel_tensors, self.captured)
+                         if t.data_ptr() == c.data_ptr() and t.dtype == c.dtype and id(c) not in from_bits)
+
+    def follow_in_place_edits(self, state: tuple) -> bool:
+        """Adopt `state` without tracing again when it differs from this lowering's only in the in-place versions of
+        tensors the mods capture (`only_versions_moved`; an optimizer step on a learnable bias): the generated code
+        never depends on captured values, so only the kernel's copies of them are re-read
+        (`GeneratedMods.kernel_aux_tensors` converts again only where it had to convert). False where anything
+        else changed."""
+        if not self.only_versions_moved(self.state, state):
+            return False
+        self.aux_tensors = tuple(self._generated.kernel_aux_tensors())
+        self._per_device = {}
+        self.state = state
+        return True
 
     def captured_requires_grad(self) -> bool:
         """Whether a tensor the mods capture requires grad now (read from the user's tensors at every call)."""
@@ -114,6 +145,25 @@ class _Lowered:
             hit = tuple(t if t.device == device else t.to(device) for t in self.aux_tensors)
             self._per_device[device] = hit
         return hit
+
+
+def _layouts(tensors) -> tuple:
+    return tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors)
+
+
+def _only_versions_moved(old: tuple, new: tuple, tensor_ids: frozenset) -> bool:
+    """Whether two `_mods_state`s differ at most in the version of tensors in `tensor_ids` (by identity)."""
+    if len(old) != len(new):
+        return False
+    for old_fn, new_fn in zip(old, new):
+        if len(old_fn) != len(new_fn):
+            return False
+        for a, b in zip(old_fn, new_fn):
+            if a == b:
+                continue
+            if not (type(a) is tuple and type(b) is tuple and a[0] == b[0] and a[0] in tensor_ids):
+                return False
+    return True
 
 
 _LOWERED: dict = {}
@@ -129,10 +179,13 @@ def _mods_state(score_mod, mask_mod) -> tuple:
 
 def _lowered(score_mod, mask_mod) -> _Lowered:
     """Generate once per mod pair; re-trace only when something the mods capture changed (a new scalar value, a
-    rebound or in-place-modified captured tensor). The compiled kernel is reused unless the structure changed."""
+    rebound captured tensor). An in-place edit of a captured tensor only refreshes the kernel's copies of them
+    (`_Lowered.follow_in_place_edits`). The compiled kernel is reused unless the structure changed."""
     state = _mods_state(score_mod, mask_mod)
     key = (score_mod, mask_mod)
     hit = _LOWERED.get(key)
+    if hit is not None and hit.state != state and hit.follow_in_place_edits(state):
+        return hit
     if hit is None or hit.state != state:
         from ..codegen import generate  # the code generator: readable CuTeDSL source for the mods
         # fastmath: hardware approximations (tanh.approx, ex2.approx, ...) whose error is far below the bf16/fp16
@@ -293,9 +346,10 @@ class WarmForward:
     """A validated inference call, bound (`runtime.launch.BoundForward`): what `flexlab.flex_attention` runs when a
     later call has the same signature. It re-checks only what can change between calls of one signature: whether
     gradients are wanted (then the differentiable path runs) and what the mods capture (a changed capture goes back
-    to the full path, which lowers the mods again)."""
+    to the full path, which lowers the mods again and binds anew; an in-place edit of a tensor the kernel reads in
+    place changes nothing bound)."""
 
-    __slots__ = ("bound", "score_mod", "mask_mod", "lowered")
+    __slots__ = ("bound", "score_mod", "mask_mod", "lowered", "state", "in_place")
 
     def __call__(self, q, k, v, scale):
         """(out, lse), or None where the full path must run."""
@@ -304,11 +358,22 @@ class WarmForward:
             return None
         low = self.lowered
         if low is not None:
-            if _mods_state(self.score_mod, self.mask_mod) != low.state:
+            if not self.captures_current():
                 return None
             if grad and low.captured_requires_grad():
                 return None
         return self.bound(q, k, v, scale)
+
+    def captures_current(self) -> bool:
+        """Whether what the mods capture is what this launch was bound with (or differs only by in-place edits of
+        tensors the kernel reads in place)."""
+        state = _mods_state(self.score_mod, self.mask_mod)
+        if state == self.state:
+            return True
+        if self.in_place and self.lowered.only_versions_moved(self.state, state, self.in_place):
+            self.state = state
+            return True
+        return False
 
 
 def bind_forward(q, k, v, score_mod, block_mask, with_lse: bool = True) -> WarmForward | None:
@@ -331,4 +396,6 @@ def bind_forward(q, k, v, score_mod, block_mask, with_lse: bool = True) -> WarmF
         return None
     warm = WarmForward()
     warm.bound, warm.score_mod, warm.mask_mod, warm.lowered = bound, score_mod, mask_mod, low
+    warm.state = low.state if low is not None else ()
+    warm.in_place = low.in_place_ids(bound.aux_tensors) if low is not None else frozenset()
     return warm

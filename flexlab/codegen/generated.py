@@ -136,6 +136,16 @@ class GeneratedMods:
         return [t.tensor for t in self._graph.aux_tensors]
 
     @property
+    def mask_aux_tensors(self) -> list[torch.Tensor]:
+        """The captured tensors the mask_mod reads (a subset of `aux_tensors`): stored mask bits depend on their
+        values only, so an in-place edit of a learnable score bias leaves them valid."""
+        if not self.has_mask_mod:
+            return []
+        slots = {self._graph.nodes[i].attr[0] for i in self._graph.needed([self._traced.mask_root])
+                 if self._graph.nodes[i].op == "load"}
+        return [t.tensor for i, t in enumerate(self._graph.aux_tensors) if i in slots]
+
+    @property
     def aux_tensor_names(self) -> list[str]:
         return [t.name for t in self._graph.aux_tensors]
 

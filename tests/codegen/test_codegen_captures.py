@@ -103,6 +103,22 @@ def test_requires_grad_is_reported_and_changes_the_hash():
     assert "add_aux_grad" in learnable.source and "add_aux_grad" not in plain.source
 
 
+def test_mask_aux_tensors_are_the_ones_the_mask_reads():
+    bias = torch.randn(64)
+    doc = torch.zeros(64, dtype=torch.int64)
+    shared = torch.zeros(64, dtype=torch.int64)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[kv_idx] + shared[q_idx]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (doc[q_idx] == doc[kv_idx]) & (shared[kv_idx] >= 0)
+
+    g = generate(score_mod, mask_mod)
+    assert {id(t) for t in g.mask_aux_tensors} == {id(doc), id(shared)}
+    assert generate(score_mod, None).mask_aux_tensors == []
+
+
 def test_same_tensor_captured_twice_is_one_aux_tensor():
     doc = torch.randint(0, 3, (90,))
     g = generate(mask_mod=and_masks(make_document(doc), make_document(doc)))

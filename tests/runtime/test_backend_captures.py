@@ -56,7 +56,9 @@ def test_rebound_global_is_seen_and_a_new_code_object_is_reread():
         WINDOW = 64
 
 
-def test_in_place_edit_of_captured_tensor_is_seen():
+def test_in_place_edit_of_captured_tensor_is_seen_without_tracing_again(monkeypatch):
+    """An optimizer step on a learnable bias edits it in place every step: the kernel reads the new values, and the
+    mods are not traced again (that cost milliseconds of host time per training step)."""
     bias = torch.zeros(8)
 
     def score_mod(score, b, h, q_idx, kv_idx):
@@ -64,9 +66,38 @@ def test_in_place_edit_of_captured_tensor_is_seen():
 
     first = backend._lowered(score_mod, None)
     assert torch.equal(first.aux_tensors[0], torch.zeros(8))
+    import flexlab.codegen
+    monkeypatch.setattr(flexlab.codegen, "generate", lambda *a, **k: pytest.fail("traced again"))
     bias += 1.5
     second = backend._lowered(score_mod, None)
-    assert second is not first and torch.equal(second.aux_tensors[0], torch.full((8,), 1.5))
+    assert second is first and torch.equal(second.aux_tensors[0], torch.full((8,), 1.5))
+    assert second.aux_tensors[0].data_ptr() == bias.data_ptr()  # read in place, no copy
+
+
+def test_in_place_edit_of_a_converted_capture_refreshes_the_kernel_copy():
+    """int64 document ids are read as an int32 copy: an in-place edit must reach that copy."""
+    doc = torch.zeros(64, dtype=torch.int64)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return torch.where(doc[q_idx] == doc[kv_idx], score, score - 1.0)
+
+    first = backend._lowered(score_mod, None)
+    assert first.aux_tensors[0].dtype == torch.int32
+    doc[32:] = 1
+    second = backend._lowered(score_mod, None)
+    assert second is first and torch.equal(second.aux_tensors[0], doc.to(torch.int32))
+
+
+def test_in_place_resize_of_a_capture_traces_again():
+    bias = torch.zeros(8)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + bias[h]
+
+    first = backend._lowered(score_mod, None)
+    bias.resize_(16).zero_()  # same object, new shape: the kernel's layout changes
+    second = backend._lowered(score_mod, None)
+    assert second is not first and second.aux_tensors[0].shape == (16,)
 
 
 def test_kernel_key_follows_the_generated_text_not_only_the_graph(monkeypatch):
@@ -97,12 +128,19 @@ def _run_on_fake_cuda(monkeypatch, calls, binds: list | None = None) -> list:
         seen.append(tuple(aux_scalars))
         return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32) if with_lse else None
 
+    class FakeBound:  # what `launch.bind` returns: a launch of the bound inputs
+        def __init__(self, mods, aux_tensors, aux_scalars, block_mask, with_lse):
+            self.args, self.aux_tensors = (mods, aux_tensors, aux_scalars, block_mask), aux_tensors
+            self.with_lse = with_lse
+
+        def __call__(self, q, k, v, scale):
+            return fake_forward(q, k, v, *self.args, scale, self.with_lse)
+
     def fake_bind(q, k, v, mods=None, aux_tensors=(), aux_scalars=(), block_mask=None, with_lse=True,
                   stored_masks=None):
         if binds is not None:
             binds.append(tuple(aux_scalars))
-        return lambda q, k, v, scale: fake_forward(q, k, v, mods, aux_tensors, aux_scalars, block_mask, scale,
-                                                   with_lse)
+        return FakeBound(mods, aux_tensors, aux_scalars, block_mask, with_lse)
 
     monkeypatch.setattr(backend, "_device_reason", lambda device: "")
     monkeypatch.setattr(launch, "forward", fake_forward)

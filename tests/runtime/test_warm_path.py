@@ -92,10 +92,12 @@ def test_the_cache_is_bounded(monkeypatch):
     assert len(api._WARM) <= 3
 
 
-def _warm(lowered=None, score_mod=None):
+def _warm(lowered=None, score_mod=None, in_place=frozenset()):
     warm = backend.WarmForward()
     warm.bound, warm.score_mod, warm.mask_mod, warm.lowered = (lambda q, k, v, scale: "launched"), score_mod, None, \
         lowered
+    warm.state = lowered.state if lowered is not None else ()
+    warm.in_place = in_place
     return warm
 
 
@@ -123,8 +125,38 @@ def test_a_learnable_captured_tensor_leaves_the_warm_path():
     with torch.no_grad():
         assert warm(x, x, x, None) == "launched"
     with torch.no_grad():
-        table += 1.0  # an in-place edit bumps the version: the kernel's copy is stale
+        table += 1.0  # an in-place edit bumps the version: a kernel reading a copy of the table would be stale
         assert warm(x, x, x, None) is None
+
+
+def test_an_in_place_edit_keeps_a_launch_that_reads_the_capture_in_place():
+    """An optimizer step on a learnable bias edits it in place every step: a launch bound to the table's own memory
+    stays valid; one bound to a converted copy (int64 ids read as int32) does not."""
+    table = torch.randn(2)
+    ids = torch.zeros(64, dtype=torch.int64)
+
+    def learnable(score, b, h, q_idx, kv_idx):
+        return score + table[h]
+
+    def by_ids(score, b, h, q_idx, kv_idx):
+        return torch.where(ids[q_idx] == ids[kv_idx], score, score - 1.0)
+
+    low = backend._lowered(learnable, None)
+    assert low.in_place_ids(low.tensors_on(torch.device("cpu"))) == {id(table)}
+    warm = _warm(low, learnable, in_place=frozenset({id(table)}))
+    x = torch.randn(1, 2, 64, 64)
+    with torch.no_grad():
+        table += 1.0
+        assert warm(x, x, x, None) == "launched"
+        table.resize_(4)  # a new layout: the kernel's layout changes, bind again
+        assert warm(x, x, x, None) is None
+
+    low = backend._lowered(by_ids, None)
+    assert not low.in_place_ids(low.tensors_on(torch.device("cpu")))
+    warm = _warm(low, by_ids)
+    assert warm(x, x, x, None) == "launched"
+    ids[32:] = 1
+    assert warm(x, x, x, None) is None
 
 
 def test_a_swapped_code_object_leaves_the_warm_path():
