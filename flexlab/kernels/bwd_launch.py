@@ -1,6 +1,6 @@
 """torch tensors in, the three backward kernels launched, (dq, dk, dv, captured-tensor grads) back.
 
-preprocess (D, LSE in base 2) -> main kernel (dK, dV, fp32 dQ partial sums, captured-tensor grads) -> postprocess
+preprocess (D, LSE in base 2, dQ sums zeroed) -> main kernel (dK, dV, fp32 dQ partial sums, captured-tensor grads) -> postprocess
 (dQ = scale * sum). Each kernel is compiled once per configuration against symbolic shapes; the key names everything
 that is baked into the machine code (generated mods by hash and by source, tiles, dtype, which optional inputs exist,
 arch, cutlass version, DSL settings, a fingerprint of the backward's kernel sources), never a runtime value. The
@@ -25,6 +25,7 @@ import torch
 
 from ..errors import BackendUnavailableError
 from ..runtime.disk_cache import KernelCache, StampedKey, source_fingerprint
+from ..runtime.launch import tma_ready
 from . import bwd_config
 from .bwd_config import BwdConfig, default_bwd_config
 
@@ -84,7 +85,7 @@ class BwdKey(_BwdStamp):
 
 @dataclass(frozen=True)
 class BwdPreKey(_BwdStamp):
-    """The preprocess kernel (D = rowsum(O * dO), LSE in base 2)."""
+    """The preprocess kernel (D = rowsum(O * dO), LSE in base 2, the fp32 dQ sums zeroed)."""
 
     dtype: str
     head_dim: int
@@ -393,21 +394,53 @@ def backward_kernels(g, grad_slots, dtype: torch.dtype, head_dim: int, q_block: 
     return _kernels(g, grad_slots, kernel_aux, dtype, cfg, q_block is not None, has_dlse, deterministic, arch)
 
 
-def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, block_size, scale: float,
-             aux_scalars, deterministic: bool, arch: str = "sm_90a"):
-    """(dq, dk, dv, grads of `entry.grad_slots` in fp32). Inputs come from the autograd formula (validated).
+@dataclass(frozen=True, eq=False)
+class _Plan:
+    """Everything a backward call of one signature works out before its launches: the configuration, the kernels,
+    the padded length, the block lists the kernel walks (with stored bits, the CTA order and deterministic ranks)."""
 
-    Every tensor below is built in exactly the layout its kernel was compiled for (`fake_arguments` of each kernel
-    module): unit stride on the last mode, TMA-legal strides and 16-byte base for the (B, H, S, D) tensors."""
-    from ..runtime.launch import tma_ready
+    kernels: Kernels
+    cfg: BwdConfig
+    sq_pad: int
+    sparse: tuple | None
+    rank: torch.Tensor | None
+    tile_order: torch.Tensor | None
+    holds: tuple  # the objects whose ids key this plan, kept alive with it
 
-    if q.dtype not in _DTYPES:
-        raise BackendUnavailableError(f"backend='cute' backward supports bfloat16/float16, got {q.dtype}")
+
+_PLANS: "OrderedDict[tuple, _Plan]" = OrderedDict()
+_PLANS_KEPT = 32
+
+
+def _plan(q, k, entry, block_mask, block_size, deterministic: bool, has_dlse: bool, arch: str) -> _Plan:
+    """The cached `_Plan` of a call: keyed by the generated mods, shapes, dtype, mode and the block-mask tensors (by
+    identity and in-place version), and, where partial blocks are read as stored bits, the versions of the captured
+    tensors the mask reads (the bits follow their values). A learnable bias edited in place every step keeps its
+    plan: the kernel reads it in place (`GeneratedMods.kernel_aux_tensors`, refreshed per call)."""
+    g = entry.generated
+    store = getattr(entry, "stored_masks", None)
+    # the configuration by identity (`_config` memoises it; a sweep that swaps it gets a new plan)
+    cfg = config_for(q.shape[3], deterministic, g, bool(entry.grad_slots), int(block_size[0]) if block_mask else None)
+    key = (id(cfg), g, q.dtype, q.shape, k.shape, deterministic, has_dlse, arch,
+           tuple(None if t is None else (id(t), t._version) for t in block_mask or ()), tuple(block_size or ()),
+           tuple(t._version for t in store.watch) if store is not None and block_mask else ())
+    hit = _PLANS.get(key)
+    if hit is not None:
+        _PLANS.move_to_end(key)
+        return hit
+    hit = _build_plan(q, k, entry, cfg, block_mask, block_size, deterministic, has_dlse, arch)
+    _PLANS[key] = hit
+    while len(_PLANS) > _PLANS_KEPT:
+        _PLANS.popitem(last=False)
+    return hit
+
+
+def _build_plan(q, k, entry, cfg: BwdConfig, block_mask, block_size, deterministic: bool, has_dlse: bool,
+                arch: str) -> _Plan:
     B, Hq, Sq, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
-    deterministic = bool(deterministic)
     g = entry.generated
-    cfg = config_for(D, deterministic, g, bool(entry.grad_slots), int(block_size[0]) if block_mask else None)
+    config = cfg
     dev = q.device
     kernel_aux = tuple(g.kernel_aux_tensors()) if g is not None else ()  # row-major, as bwd_sm90 compiled them
     for i, t in enumerate(kernel_aux):
@@ -428,28 +461,46 @@ def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, bloc
                 walk = bits.derived(lambda: QLists((bits.num, bits.idx) + masks.tensors[2:], masks._owners))
         if cfg.lpt_order:  # (work estimated from the mask's own lists, as measured)
             tile_order = masks.tile_order(B, Hkv, Hq // Hkv, Sq, D)
-    kernels = _kernels(g, entry.grad_slots, kernel_aux, q.dtype, cfg, masks is not None, dlse is not None,
-                       deterministic, arch)
+    kernels = _kernels(g, entry.grad_slots, kernel_aux, q.dtype, cfg, masks is not None, has_dlse, deterministic,
+                       arch)
+    sq_pad = -(-Sq // pad) * pad
+    rank = walk.ranks(sq_pad // cfg.tile_m) if deterministic and walk is not None else None
+    sparse = None if walk is None else walk.tensors if bits is None else walk.tensors + (bits.words,)
+    return _Plan(kernels, cfg, sq_pad, sparse, rank, tile_order, (config, g, entry, *(block_mask or ()), walk, bits))
+
+
+def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, block_size, scale: float,
+             aux_scalars, deterministic: bool, arch: str = "sm_90a"):
+    """(dq, dk, dv, grads of `entry.grad_slots` in fp32). Inputs come from the autograd formula (validated).
+
+    Every tensor below is built in exactly the layout its kernel was compiled for (`fake_arguments` of each kernel
+    module): unit stride on the last mode, TMA-legal strides and 16-byte base for the (B, H, S, D) tensors. What
+    depends only on the call's signature is planned once (`_plan`); a repeated call allocates and launches."""
+    if q.dtype not in _DTYPES:
+        raise BackendUnavailableError(f"backend='cute' backward supports bfloat16/float16, got {q.dtype}")
+    deterministic = bool(deterministic)
+    plan = _plan(q, k, entry, block_mask, block_size, deterministic, dlse is not None, arch)
+    kernels, cfg, sq_pad = plan.kernels, plan.cfg, plan.sq_pad
+    B, Hq, _, D = q.shape
+    dev = q.device
+    g = entry.generated
+    kernel_aux = g.kernel_aux_tensors() if g is not None else ()  # (re-read: captured values may have changed)
 
     q, k, v, dout, out = (tma_ready(t) for t in (q, k, v, dout, out))
-    sq_pad = -(-Sq // pad) * pad
     lse2 = torch.empty((B, Hq, sq_pad), dtype=torch.float32, device=dev)
     dpsum = torch.empty((B, Hq, sq_pad), dtype=torch.float32, device=dev)
-    dq_accum = torch.zeros((B, Hq, sq_pad, D), dtype=torch.float32, device=dev)
+    dq_accum = torch.empty((B, Hq, sq_pad, D), dtype=torch.float32, device=dev)  # zeroed by the preprocess
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     grads = tuple(torch.zeros(kernel_aux[i].shape, dtype=kernels.grad_dtype, device=dev) for i in entry.grad_slots)
-    sem = rank = None
+    sem = None
     if deterministic:
         sem = torch.zeros((B, Hq, sq_pad // cfg.tile_m, cfg.num_consumer_wgs), dtype=torch.int32, device=dev)
-        if walk is not None:
-            rank = walk.ranks(sq_pad // cfg.tile_m)
     scalars = g.kernel_aux_scalar_values(aux_scalars) if g is not None else ()
 
     # Argument order = the kernels' __call__ signatures; None for an input compiled as absent.
-    kernels.pre(out, dout, lse.contiguous(), dlse.contiguous() if dlse is not None else None, dpsum, lse2)
-    sparse = None if walk is None else walk.tensors if bits is None else walk.tensors + (bits.words,)
-    kernels.main(q, k, v, dout, lse2, dpsum, dq_accum, dk, dv, scale, Hq // Hkv, sparse, kernel_aux, scalars, grads,
-                 sem, rank, tile_order)
+    kernels.pre(out, dout, lse.contiguous(), dlse.contiguous() if dlse is not None else None, dpsum, lse2, dq_accum)
+    kernels.main(q, k, v, dout, lse2, dpsum, dq_accum, dk, dv, scale, Hq // k.shape[1], plan.sparse, kernel_aux,
+                 scalars, grads, sem, plan.rank, plan.tile_order)
     kernels.post(dq_accum, dq, scale)
     if kernels.grad_dtype == torch.int64:
         from .bwd_aux_grad import from_fixed_point

@@ -11,6 +11,7 @@ import re
 import shutil
 
 import pytest
+from ptx_dump import KEEP_PTX
 import torch
 
 cutlass = pytest.importorskip("cutlass")
@@ -34,16 +35,19 @@ def _no_spills(report):
 @pytest.mark.parametrize("has_dlse", [False, True])
 def test_preprocess_compiles(D, has_dlse):
     from flexlab.kernels.bwd_launch import compile_preprocess
-    ptx, report = _assemble(compile_preprocess("bfloat16", D, has_dlse, options=" --keep-ptx"))
+    ptx, report = _assemble(compile_preprocess("bfloat16", D, has_dlse, options=KEEP_PTX))
     _no_spills(report)
     assert "ld.global.v4" in ptx, "O and dO rows should be read with 16-byte loads"
     assert "shfl.sync.bfly" in ptx
+    # the dQ sums are zeroed here with 16-byte stores of zero (no separate fill kernel)
+    zero4 = ", ".join(["0f00000000"] * 4)
+    assert re.search(r"st\.global\.v4\.b32\s+\[[^\]]+\],\s*\{" + zero4 + r"\}", ptx), "dQ sums not zeroed 16 B at a time"
 
 
 @pytest.mark.parametrize("D", [64, 128])
 def test_postprocess_compiles(D):
     from flexlab.kernels.bwd_launch import compile_postprocess
-    ptx, report = _assemble(compile_postprocess("float16", D, options=" --keep-ptx"))
+    ptx, report = _assemble(compile_postprocess("float16", D, options=KEEP_PTX))
     _no_spills(report)
     assert "st.global.v4" in ptx and "cvt.rn.f16x2.f32" in ptx
 
@@ -80,7 +84,7 @@ def _check_main(ptx, report, D, tile_m=64):
 def test_main_kernel_compiles_without_spills(D, block_sparse):
     from flexlab.kernels.bwd_launch import compile_main
     key = _main_key(D, block_sparse)
-    ptx, report = _assemble(compile_main(key, None, options=" --keep-ptx"))
+    ptx, report = _assemble(compile_main(key, None, options=KEEP_PTX))
     _check_main(ptx, report, D, key.config.tile_m)
 
 
@@ -89,7 +93,7 @@ def test_deterministic_kernel_orders_dq_reductions(D, block_sparse):
     """Deterministic mode: each dQ reduce waits (acquire) for its turn and signals the next KV tile (release)."""
     from flexlab.kernels.bwd_launch import compile_main
     key = _main_key(D, block_sparse, deterministic=True)
-    ptx, report = _assemble(compile_main(key, None, options=" --keep-ptx"))
+    ptx, report = _assemble(compile_main(key, None, options=KEEP_PTX))
     _check_main(ptx, report, D, key.config.tile_m)
     assert "ld.acquire.gpu.global.b32" in ptx
     assert "red.release.gpu.global.add.s32" in ptx
@@ -139,7 +143,7 @@ def test_deterministic_captured_grads_compile_to_integer_atomics():
         cfg = default_bwd_config(64, fixed_point, mod_grads=True)
         key = BwdKey("head-bias", True, False, True, (("float32", 1),), (), (1,), "bfloat16", cfg, False, fixed_point,
                      "sm_90a", fixed_point)
-        ptx, report = _assemble(compile_main(key, module, options=" --keep-ptx"))
+        ptx, report = _assemble(compile_main(key, module, options=KEEP_PTX))
         _no_spills(report)
         assert ("atom.global.add.u64" in ptx) == fixed_point
         assert ("atom.global.add.f32" in ptx) != fixed_point
@@ -172,7 +176,7 @@ def test_main_kernel_with_learnable_bias_and_mask_d64():
     from flexlab.kernels.bwd_launch import compile_main
     g = _learnable_bias_mods()
     key = _main_key(64, True, g)
-    ptx, report = _assemble(compile_main(key, g.module(), options=" --keep-ptx"))
+    ptx, report = _assemble(compile_main(key, g.module(), options=KEEP_PTX))
     _check_main(ptx, report, 64, key.config.tile_m)
     assert "atom.global.add.f32" in ptx  # the bias table's gradient
 
@@ -184,7 +188,7 @@ def test_main_kernel_with_learnable_bias_d128_nearly_fits():
     has none (benchmarks/results/gallery_backward_spills_2026-11-30b.json)."""
     from flexlab.kernels.bwd_launch import compile_main
     g = _learnable_bias_mods()
-    _, report = _assemble(compile_main(_main_key(128, True, g), g.module(), options=" --keep-ptx"))
+    _, report = _assemble(compile_main(_main_key(128, True, g), g.module(), options=KEEP_PTX))
     assert report["spill_stores"] <= 12 and report["spill_loads"] <= 16, report
 
 
@@ -304,7 +308,7 @@ def test_additive_bias_keeps_the_full_register_plan():
         g = _alibi_mods(with_mask)
         assert g.score_grad_is_identity and g.has_score_mod
         key = dataclasses.replace(_main_key(128, with_mask, g), score_grad_identity=True)
-        ptx, report = _assemble(compile_main(key, g.module(), options=" --keep-ptx"))
+        ptx, report = _assemble(compile_main(key, g.module(), options=KEEP_PTX))
         assert max(report["spill_stores"], report["spill_loads"]) <= spill_limit, (with_mask, report)
         waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d)", ptx)
         assert "1" in waits, "dP^T should still be in flight when S^T is ready (full plan)"
@@ -342,7 +346,7 @@ def test_document_mask_reading_a_captured_tensor_has_no_spills(D):
     cfg = config_for(D, False, g, False, 128)
     key = _main_key(D, True, g)
     assert key.config == cfg
-    _, report = _assemble(compile_main(key, g.module(), options=" --keep-ptx"))
+    _, report = _assemble(compile_main(key, g.module(), options=KEEP_PTX))
     _no_spills(report)
 
 
@@ -362,7 +366,7 @@ def test_d64_heavy_masks_keep_64_row_steps_without_spills():
     assert causal.mask_op_count == 1 and config_for(64, False, causal, False, 128).tile_m == 128
     key = _main_key(64, True, g)
     assert key.config.tile_m == 64
-    _, report = _assemble(compile_main(key, g.module(), options=" --keep-ptx"))
+    _, report = _assemble(compile_main(key, g.module(), options=KEEP_PTX))
     _no_spills(report)
 
 

@@ -66,6 +66,7 @@ def fresh_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("FLEXLAB_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(bwd_launch, "_CACHE", KernelCache())
     monkeypatch.setattr(bwd_launch, "_KERNELS", {})
+    monkeypatch.setattr(bwd_launch, "_PLANS", type(bwd_launch._PLANS)())  # no plan from an earlier test
     return tmp_path / "cache" / "kernels"
 
 

@@ -11,6 +11,7 @@ to TVM-FFI can be inspected:
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 from types import SimpleNamespace
@@ -216,6 +217,7 @@ def _recording_compiles(monkeypatch, build: bool, signatures=None):
 
     monkeypatch.setattr(bwd_launch, "_compiled", compiled)
     monkeypatch.setattr(bwd_launch, "_KERNELS", {})
+    monkeypatch.setattr(bwd_launch, "_PLANS", type(bwd_launch._PLANS)())  # no plan from an earlier test
     return recorders
 
 
@@ -347,3 +349,37 @@ def test_missing_tvm_ffi_is_named(monkeypatch):
     monkeypatch.setattr("flexlab.runtime.compile.tvm_ffi_available", lambda: False)
     with pytest.raises(BackendUnavailableError, match="apache-tvm-ffi"):
         bwd_launch.compile_postprocess("bfloat16", 64)
+
+
+def test_a_repeated_backward_is_planned_once_and_replanned_when_its_inputs_change(monkeypatch):
+    """The second backward of one signature goes straight to allocation and launch; an in-place edit of a block-mask
+    list, of a tensor the stored mask bits were built from, or a swapped configuration plans again. A learnable
+    bias edited in place every step keeps its plan, and each launch gets its current values."""
+    rec = _recording_compiles(monkeypatch, False)
+    builds = []
+    build = bwd_launch._build_plan
+    monkeypatch.setattr(bwd_launch, "_build_plan", lambda *a: builds.append(a) or build(*a))
+
+    score_mod, mask_mod = _mods("bias", "document", 300)
+    p = _problem(64, score_mod, mask_mod)
+    for _ in range(3):
+        _backward(p, False)
+    assert len(builds) == 1 and len(rec["main"].calls) == 3
+    with torch.no_grad():
+        p.aux[0].add_(1.0)  # the learnable bias: read in place, no new plan
+    _backward(p, False)
+    assert len(builds) == 1
+    assert rec["main"].calls[-1][12][0].data_ptr() == p.aux[0].data_ptr()  # the kernel's captured tensors
+    mask_mod.__closure__[0].cell_contents[:10] = 2  # the document ids the stored bits came from
+    _backward(p, False)
+    assert len(builds) == 2
+    p.mask[5].add_(0)  # a Q-direction list edited in place
+    _backward(p, False)
+    assert len(builds) == 3
+    _backward(p, True)  # another mode
+    assert len(builds) == 4
+    default = bwd_launch._config
+    other = dataclasses.replace(default(64, False, True, 128), lpt_order=False)
+    monkeypatch.setattr(bwd_launch, "_config", lambda *a, **k: other)
+    _backward(p, False)
+    assert len(builds) == 5 and rec["main"].calls[-1][17] is None  # (no CTA order without lpt_order)

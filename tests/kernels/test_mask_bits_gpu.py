@@ -158,6 +158,7 @@ def test_backward_reads_stored_bits(D, Sq, Skv, Hkv, monkeypatch):
         for mode in ("bits", "inline"):
             if mode == "inline":
                 monkeypatch.setattr(bwd_launch, "stored_bits", lambda *args, **kwargs: None)
+                monkeypatch.setattr(bwd_launch, "_PLANS", type(bwd_launch._PLANS)())  # plan again, without bits
             qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
             out = differentiable_attention(qq, kk, vv, None, bm, enable_gqa=gqa, deterministic=True)
             out.backward(dout)
