@@ -73,6 +73,7 @@ def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, backe
 
 
 _WARM: dict = {}  # call signature -> backends.cute.WarmForward
+_WARM_TRAIN: dict = {}  # call signature -> autograd.WarmTraining
 _WARM_ENTRIES = 256
 
 
@@ -174,11 +175,18 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     if not torch.compiler.is_compiling():
         # warm path: a signature validated before and run forward-only by flexlab's kernel
         sig = _signature(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, backend)
-        warm = _WARM.get(sig) if sig is not None else None
-        if warm is not None:
-            result = warm(query, key, value, scale)
-            if result is not None:
-                return result if return_lse else result[0]
+        if sig is not None:
+            warm = _WARM.get(sig)
+            if warm is not None:
+                result = warm(query, key, value, scale)
+                if result is not None:
+                    return result if return_lse else result[0]
+            # ... or validated before and run with gradients through flexlab's kernels
+            train = _WARM_TRAIN.get(sig)
+            if train is not None:
+                result = train(query, key, value, scale, deterministic)
+                if result is not None:
+                    return result if return_lse else result[0]
     _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, backend)
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
@@ -199,9 +207,13 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     else:
         if cute_grad or torch.compiler.is_compiling():
             # through the custom ops: autograd for the backward kernels, and one opaque node for torch.compile
-            from .autograd import differentiable_attention
+            from .autograd import bind_training, differentiable_attention
             out, lse = differentiable_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
                                                 return_lse=True, deterministic=deterministic)
+            if sig is not None and cute_grad:  # (never under torch.compile: sig is None there)
+                train = bind_training(query, key, value, score_mod, block_mask)
+                if train is not None:
+                    put_bounded(_WARM_TRAIN, sig, train, _WARM_ENTRIES)
         else:
             # a kernel that writes no LSE when the caller does not want it (one allocation less per call)
             warm = (cute.bind_forward(query, key, value, score_mod, block_mask, with_lse=return_lse)

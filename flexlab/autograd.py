@@ -74,11 +74,13 @@ class EagerCall:
     One plain object instead of a dozen arguments: `Function.apply` pays per argument (functorch unwrapping, input
     bookkeeping), and the block-mask tensors never need gradients, so they need not be Function inputs."""
 
-    __slots__ = ("entry", "block_mask", "mask_tensors", "block_size", "scale", "deterministic")
+    __slots__ = ("entry", "block_mask", "mask_tensors", "block_size", "scale", "deterministic", "bound")
 
-    def __init__(self, entry, block_mask, mask_tensors: list, block_size: list, scale: float, deterministic: bool):
+    def __init__(self, entry, block_mask, mask_tensors: list, block_size: list, scale: float, deterministic: bool,
+                 bound=None):
         self.entry, self.block_mask, self.mask_tensors = entry, block_mask, mask_tensors
         self.block_size, self.scale, self.deterministic = block_size, scale, deterministic
+        self.bound = bound  # a `runtime.launch.BoundForward` writing the LSE (warm calls), else None
 
 
 class EagerAttention(torch.autograd.Function):
@@ -88,8 +90,11 @@ class EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, call: EagerCall, *aux_tensors):
-        out, lse = _ops.attention_forward(q, k, v, call.entry, call.mask_tensors, call.block_size, call.scale,
-                                          bm=call.block_mask)
+        result = call.bound(q, k, v, call.scale) if call.bound is not None else None
+        if result is None:  # (a bound launch declines a misaligned base address)
+            result = _ops.attention_forward(q, k, v, call.entry, call.mask_tensors, call.block_size, call.scale,
+                                            bm=call.block_mask)
+        out, lse = result
         ctx.set_materialize_grads(False)
         ctx.call = call
         ctx.aux_scalars = list(call.entry.aux_scalars)  # the values this forward ran with
@@ -111,6 +116,60 @@ class EagerAttention(torch.autograd.Function):
                                                mask_tensors, call.block_size, call.scale, ctx.aux_scalars,
                                                call.deterministic))
         return (dq, dk, dv, None, *aux_grads)
+
+
+class WarmTraining:
+    """A validated training call, bound: what `flexlab.flex_attention` runs when a later call with gradients has the
+    same signature (shapes, strides, dtypes, devices, mods and mask by identity). It skips validation, the backend
+    choice and the forward's planning: the forward launches through a `runtime.launch.BoundForward` that writes the
+    LSE, inside the same `EagerAttention` as the full path. It re-checks what can change between calls: whether
+    gradients are wanted, what the mods capture (`backends.cute.WarmForward.captures_current`), the deterministic
+    mode."""
+
+    __slots__ = ("forward", "entry", "block_mask", "mask_tensors", "block_size", "default_scale")
+
+    def __call__(self, q, k, v, scale, deterministic):
+        """(out, lse), or None where the full path must run."""
+        if not torch.is_grad_enabled():
+            return None
+        fwd = self.forward
+        low = fwd.lowered
+        if low is not None and not fwd.captures_current():
+            return None
+        if not (q.requires_grad or k.requires_grad or v.requires_grad or
+                (low is not None and low.captured_requires_grad())):
+            return None  # no gradient wanted: the inference path
+        entry = self.entry
+        entry.refresh()  # a no-op unless another call re-generated the shared entry for other captured values
+        if deterministic is None:
+            deterministic = torch.are_deterministic_algorithms_enabled()
+        call = EagerCall(entry, self.block_mask, self.mask_tensors, self.block_size,
+                         self.default_scale if scale is None else float(scale), bool(deterministic), fwd.bound)
+        return EagerAttention.apply(q, k, v, call, *entry.aux_tensors)
+
+
+def bind_training(query, key, value, score_mod, block_mask) -> WarmTraining | None:
+    """`WarmTraining` for a call the full path has just run through `differentiable_attention` in eager mode, or
+    None where its forward cannot be bound (`backends.cute.bind_forward`)."""
+    from .backends import cute
+    forward = cute.bind_forward(query, key, value, score_mod, block_mask, with_lse=True)
+    if forward is None:
+        return None
+    warm = WarmTraining()
+    warm.forward = forward
+    warm.entry = _ops.mod_entry(_mods_key(score_mod, _mask_mod_of(block_mask)))
+    warm.block_mask = block_mask
+    warm.mask_tensors, warm.block_size = _block_mask_tensors(block_mask)
+    warm.default_scale = query.shape[-1] ** -0.5
+    return warm
+
+
+def _mask_mod_of(block_mask):
+    """The block mask's mask_mod, or None where there is none (no mask, or torch's noop_mask)."""
+    from torch.nn.attention.flex_attention import noop_mask
+    if block_mask is None or block_mask.mask_mod is noop_mask:
+        return None
+    return block_mask.mask_mod
 
 
 @torch._dynamo.assume_constant_result
@@ -161,10 +220,7 @@ def differentiable_attention(query, key, value, score_mod=None, block_mask=None,
 
     deterministic: bitwise-reproducible gradients; None follows `torch.are_deterministic_algorithms_enabled()`.
     """
-    from torch.nn.attention.flex_attention import noop_mask
-    mask_mod = None
-    if block_mask is not None and block_mask.mask_mod is not noop_mask:
-        mask_mod = block_mask.mask_mod
+    mask_mod = _mask_mod_of(block_mask)
     key_ = _mods_key(score_mod, mask_mod)
     entry = _ops.mod_entry(key_)
     if deterministic is None:

@@ -342,6 +342,61 @@ def test_cuda_table_only_gradient_through_flex_attention():
     assert rel_l2(ours, table.grad) < 2e-2, f"dtable: {rel_l2(ours, table.grad):.2e}"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not _hopper(), reason="needs an sm90 GPU (H100/H200)")
+def test_cuda_warm_training_steps_match_the_full_path():
+    """A training loop through flexlab.flex_attention: a learnable relative bias (edited in place by an optimizer
+    step) and a document mask (stored bits). Steps after the first take the warm path (bound forward, planned
+    backward); in deterministic mode each gives bitwise the gradients of a full-path step on the same values, and
+    they match the float64 reference."""
+    import flexlab.api as api
+    from flexlab.testing import reference
+    S, D = 1000, 128
+    table = (0.1 * torch.randn(4, 65, device="cuda")).requires_grad_(True)
+    doc = (torch.arange(S, device="cuda") * 3 // S)
+
+    def rel_bias(score, b, h, q_idx, kv_idx):
+        return score + table[h, torch.clamp(kv_idx - q_idx, -32, 32) + 32]
+
+    def documents(b, h, q_idx, kv_idx):
+        return doc[q_idx] == doc[kv_idx]
+
+    bm = flexlab.create_block_mask(documents, 1, 1, S, S, device="cuda")
+    q, k, v = random_qkv(2, 4, S, S, D, torch.bfloat16, "cuda", requires_grad=True)
+    dout = torch.randn(2, 4, S, D, device="cuda", dtype=torch.bfloat16)
+    leaves = (q, k, v, table)
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        out = flexlab.flex_attention(q, k, v, rel_bias, bm, backend="cute", deterministic=True)
+        out.backward(dout)
+        return out.detach().clone(), [t.grad.clone() for t in leaves]
+
+    api._WARM_TRAIN.clear()
+    tables, steps = [], []
+    for _ in range(3):
+        tables.append(table.detach().clone())
+        steps.append(step())
+        with torch.no_grad():
+            table -= 0.5 * table.grad
+    assert len(api._WARM_TRAIN) == 1
+    with torch.no_grad():
+        table.copy_(tables[2])
+    api._WARM_TRAIN.clear()
+    full = step()  # the full path on the third step's values
+    assert torch.equal(full[0], steps[2][0])
+    for a, b in zip(full[1], steps[2][1]):
+        assert torch.equal(a, b)
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
+    table.grad = None
+    ref_out, _ = reference(q64, k64, v64, rel_bias, bm, None, False)
+    ref_out.backward(dout.double())
+    for name, a, b in zip(("dq", "dk", "dv", "dtable"), steps[2][1], (q64.grad, k64.grad, v64.grad, table.grad)):
+        assert not torch.isnan(a).any(), name
+        assert rel_l2(a, b) < 2e-2, f"{name}: {rel_l2(a, b):.2e}"
+
+
 def test_torch_compile_fullgraph_through_flex_attention(monkeypatch):
     """`flexlab.flex_attention` itself (argument checks, backend choice, mod lowering) traces into one graph: the
     choice is folded to a constant at trace time and the kernels stay one opaque custom op. The device check is
