@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from . import _ops
+from .backends.cute import effective_mask_mod
 
 
 def _setup_context(ctx, inputs, output):
@@ -126,7 +127,7 @@ class WarmTraining:
     gradients are wanted, what the mods capture (`backends.cute.WarmForward.captures_current`), the deterministic
     mode."""
 
-    __slots__ = ("forward", "entry", "block_mask", "mask_tensors", "block_size", "default_scale")
+    __slots__ = ("forward", "entry", "generated", "block_mask", "mask_tensors", "block_size", "default_scale")
 
     def __call__(self, q, k, v, scale, deterministic):
         """(out, lse), or None where the full path must run."""
@@ -140,7 +141,12 @@ class WarmTraining:
                 (low is not None and low.captured_requires_grad())):
             return None  # no gradient wanted: the inference path
         entry = self.entry
-        entry.refresh()  # a no-op unless another call re-generated the shared entry for other captured values
+        if entry.generated is not self.generated:
+            # Another call re-generated the shared entry for other captured values: generate it for the current
+            # ones (which `captures_current` found equal to the bound ones, in-place versions aside). Otherwise the
+            # entry still holds what it held at binding, so walking the mods' captures a second time is not needed.
+            entry.refresh()
+            self.generated = entry.generated
         if deterministic is None:
             deterministic = torch.are_deterministic_algorithms_enabled()
         call = EagerCall(entry, self.block_mask, self.mask_tensors, self.block_size,
@@ -157,19 +163,12 @@ def bind_training(query, key, value, score_mod, block_mask) -> WarmTraining | No
         return None
     warm = WarmTraining()
     warm.forward = forward
-    warm.entry = _ops.mod_entry(_mods_key(score_mod, _mask_mod_of(block_mask)))
+    warm.entry = _ops.mod_entry(_mods_key(score_mod, effective_mask_mod(block_mask)))  # (refreshed by this call)
+    warm.generated = warm.entry.generated
     warm.block_mask = block_mask
     warm.mask_tensors, warm.block_size = _block_mask_tensors(block_mask)
     warm.default_scale = query.shape[-1] ** -0.5
     return warm
-
-
-def _mask_mod_of(block_mask):
-    """The block mask's mask_mod, or None where there is none (no mask, or torch's noop_mask)."""
-    from torch.nn.attention.flex_attention import noop_mask
-    if block_mask is None or block_mask.mask_mod is noop_mask:
-        return None
-    return block_mask.mask_mod
 
 
 @torch._dynamo.assume_constant_result
@@ -220,7 +219,7 @@ def differentiable_attention(query, key, value, score_mod=None, block_mask=None,
 
     deterministic: bitwise-reproducible gradients; None follows `torch.are_deterministic_algorithms_enabled()`.
     """
-    mask_mod = _mask_mod_of(block_mask)
+    mask_mod = effective_mask_mod(block_mask)
     key_ = _mods_key(score_mod, mask_mod)
     entry = _ops.mod_entry(key_)
     if deterministic is None:

@@ -200,7 +200,8 @@ def _real_mask(mask_mod):
     return None if mask_mod is None or mask_mod is noop_mask else mask_mod
 
 
-def _effective_mask_mod(block_mask):
+def effective_mask_mod(block_mask):
+    """The block mask's mask_mod, or None where it masks nothing (no mask, or torch's noop_mask)."""
     return None if block_mask is None else _real_mask(block_mask.mask_mod)
 
 
@@ -332,7 +333,7 @@ def flex_attention_forward(q, k, v, score_mod, block_mask, scale, enable_gqa, ca
     if q.device.type != "cuda":
         raise BackendUnavailableError(f"backend='cute' needs CUDA tensors, got {q.device}")
     forward = (_LAUNCH or _load_launch()).forward
-    mask_mod = _effective_mask_mod(block_mask)
+    mask_mod = effective_mask_mod(block_mask)
     if score_mod is None and mask_mod is None:
         return forward(q, k, v, block_mask=block_mask, scale=scale, with_lse=with_lse)
     low = _LOWERED.get((score_mod, mask_mod)) if captures_checked else None
@@ -382,7 +383,7 @@ def bind_forward(q, k, v, score_mod, block_mask, with_lse: bool = True) -> WarmF
     if q.device.type != "cuda":
         return None
     launch = _LAUNCH or _load_launch()
-    mask_mod = _effective_mask_mod(block_mask)
+    mask_mod = effective_mask_mod(block_mask)
     low = None
     if score_mod is None and mask_mod is None:
         bound = launch.bind(q, k, v, block_mask=block_mask, with_lse=with_lse)

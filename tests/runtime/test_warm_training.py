@@ -56,6 +56,7 @@ def _cpu_flexlab(monkeypatch, score_mod) -> dict:
 
     def recording_backward(*args):
         counts["deterministic"].append(args[-1])
+        counts.setdefault("scalars", []).append(list(args[-2]))
         return backward(*args)
 
     monkeypatch.setattr(api, "_validate", counting_validate)
@@ -134,3 +135,21 @@ def test_inference_and_new_captures_leave_the_warm_training_path(monkeypatch):
     cap = 2.0  # noqa: F841 (read by softcap through its closure): a new captured value goes back to the full path
     assert train(q, k, v, None, None) is None
     assert counts["bound"] == 0
+
+
+def test_a_shared_entry_regenerated_elsewhere_is_regenerated_for_this_call(monkeypatch):
+    """Another call may re-generate the mods' shared registry entry for other captured values; a warm call whose
+    captures are back to its bound values must run its backward with those, not the other call's."""
+    cap = 5.0
+
+    def softcap(score, b, h, q_idx, kv_idx):
+        return cap * torch.tanh(score / cap)
+
+    q, k, v, dout = (torch.randn(1, 2, 40, 32, dtype=torch.float64, requires_grad=i < 3) for i in range(4))
+    counts = _cpu_flexlab(monkeypatch, softcap)
+    _step(q, k, v, softcap, dout, [q, k, v])
+    cap = 2.0
+    _ops.register_mods(softcap, None)  # what a full-path call with the new value does to the shared entry
+    cap = 5.0  # noqa: F841 (read by softcap through its closure)
+    _step(q, k, v, softcap, dout, [q, k, v])
+    assert counts["bound"] == 1 and counts["scalars"] == [[5.0], [5.0]]
