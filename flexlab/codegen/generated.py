@@ -108,6 +108,19 @@ class GeneratedMods:
         return node.op == "input" and node.attr[0] == "grad"
 
     @property
+    def aux_grad_reads_score(self) -> bool:
+        """Whether a captured tensor's gradient (its value or where it goes) depends on the score: a weight that
+        multiplies the score does, an additive bias does not. When none does, and the score gradient is the identity,
+        the backward keeps no pre-mod scores."""
+        graph = self._graph
+
+        def is_score(node) -> bool:
+            return node.op == "input" and node.attr[0] == "score"
+
+        return any(graph.depends_on(i, is_score)
+                   for t in self._deriv.aux_terms for i in (t.value, *graph.nodes[t.load].args))
+
+    @property
     def has_mask_mod(self) -> bool:
         """False when there is no mask_mod or it keeps every position."""
         root = self._traced.mask_root

@@ -81,6 +81,7 @@ class BwdKey(_BwdStamp):
     fixed_point_aux_grads: bool = False  # int64 fixed-point captured-tensor grads (deterministic mode)
     generated_source: str = ""  # `GeneratedMods.source_hash`: the disk cache must not outlive a code-generator edit
     score_grad_identity: bool = False  # d(score_mod)/d(score) == 1: the kernel skips score_mod_bwd
+    aux_grad_reads_score: bool = True  # False: the captured-tensor gradients never read the pre-mod score
 
 
 @dataclass(frozen=True)
@@ -191,7 +192,8 @@ def compile_main(key: BwdKey, module=None, options: str = ""):
     kernel = FlexBwdSm90(key.config, dt, score_mod, score_mod_bwd,
                          module.score_mod_aux_grad if key.has_aux_grad else None,
                          module.mask_mod if key.has_mask_mod else None, has_aux_tensors=bool(key.aux_tensor_specs),
-                         deterministic=key.deterministic)
+                         deterministic=key.deterministic, grad_runs=hasattr(module, "add_aux_grad"),
+                         aux_grad_reads_score=key.aux_grad_reads_score)
     args = fake_arguments(key.config, dt, key.block_sparse, key.aux_tensor_specs, key.aux_scalar_kinds,
                           key.aux_grad_ranks, key.deterministic, key.fixed_point_aux_grads)
     return dsl_compile(kernel, *args, options=_options(key.arch, options))
@@ -351,6 +353,21 @@ class Kernels:
 _KERNELS: dict[tuple, Kernels] = {}
 
 
+def main_key(g, kernel_aux, grad_slots, dtype_name: str, cfg: BwdConfig, sparse: bool, deterministic: bool,
+             arch: str = "sm_90a") -> BwdKey:
+    """The main kernel's key for generated mods `g` (or None), the captured tensors as the kernel reads them
+    (`kernel_aux`) and the slots among them that get gradients."""
+    has_aux_grad = bool(grad_slots) and g is not None and g.has_score_mod  # a mask has no gradient
+    return BwdKey(g.hash if g is not None else "", bool(g is not None and g.has_score_mod),
+                  bool(g is not None and g.has_mask_mod and sparse), has_aux_grad,
+                  tuple((str(t.dtype).removeprefix("torch."), t.dim()) for t in kernel_aux),
+                  tuple("float" if kind == "float" else "int" for kind in (g.aux_scalar_kinds if g else ())),
+                  tuple(kernel_aux[i].dim() for i in grad_slots), dtype_name, cfg, sparse, deterministic, arch,
+                  bool(deterministic and has_aux_grad), g.source_hash if g is not None else "",
+                  bool(g is not None and g.score_grad_is_identity),
+                  bool(g is None or not has_aux_grad or g.aux_grad_reads_score))
+
+
 def _kernels(g, grad_slots, kernel_aux, dtype: torch.dtype, cfg: BwdConfig, sparse: bool, has_dlse: bool,
              deterministic: bool, arch: str) -> Kernels:
     """Compiled kernels for this call; one dict lookup once warm. Everything in the fast key's place is fixed by
@@ -367,13 +384,7 @@ def _kernels(g, grad_slots, kernel_aux, dtype: torch.dtype, cfg: BwdConfig, spar
             "flexlab.kernels.bwd_aux_grad.add_aux_grad (this code generator emits plain fp32 atomics); use "
             "backend='reference' or turn determinism off")
     name, D = _DTYPES[dtype], cfg.head_dim
-    key = BwdKey(g.hash if g is not None else "", bool(g is not None and g.has_score_mod),
-                 bool(g is not None and g.has_mask_mod and sparse), has_aux_grad,
-                 tuple((str(t.dtype).removeprefix("torch."), t.dim()) for t in kernel_aux),
-                 tuple("float" if kind == "float" else "int" for kind in (g.aux_scalar_kinds if g else ())),
-                 tuple(kernel_aux[i].dim() for i in grad_slots), name, cfg, sparse, deterministic, arch,
-                 fixed_point, g.source_hash if g is not None else "",
-                 bool(g is not None and g.score_grad_is_identity))
+    key = main_key(g, kernel_aux, grad_slots, name, cfg, sparse, deterministic, arch)
     hit = Kernels(preprocess_kernel(name, D, has_dlse, arch), main_kernel(key, g),
                   postprocess_kernel(name, D, arch, cfg.dq_layout), torch.int64 if fixed_point else torch.float32)
     _KERNELS[fast] = hit

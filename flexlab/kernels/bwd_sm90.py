@@ -11,7 +11,8 @@ stored once, without atomics, and are the same bits on every run.
   * P is recomputed from the forward's LSE (base 2, from `bwd_preprocess`): P = exp2(score_mod(s) * c - LSE2), with
     mask_mod applied on partial blocks only and the key tail masked; dS = P * (dP - D);
   * the code generator's `score_mod_bwd` turns dS into the gradient of the raw score, and `score_mod_aux_grad` adds
-    the gradients of captured tensors (learnable biases) with fp32 atomics, both inlined per element;
+    the gradients of captured tensors (learnable biases), summed per thread in runs before their atomics
+    (`bwd_aux_grad.GradRun`), both inlined per element;
   * dS is written to shared memory (double-buffered), both warpgroups compute half of dQ = dS K each (or, for
     steps that are not a multiple of 64 rows, half of dQ^T = K^T dS^T: `BwdConfig.dq_swap_ab`) and write it
     to a shared-memory slab in their accumulators' register order, which the dQ warp adds into the fp32 dQ buffer
@@ -52,6 +53,7 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from .block_sparse import KvSchedule
+from .bwd_aux_grad import GradRun, flush_aux_grads
 from .bwd_config import BwdConfig
 from .bwd_dq import (DQ_HANDOFF_THREADS, SLAB_LINE, BwdDqReduce, dq_accum_lines, dq_fragment_shape, dq_issuer,
                      dq_slab_layout, fragment_order, make_dq_tiled_mma)
@@ -70,13 +72,17 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
 
     def __init__(self, cfg: BwdConfig, dtype, score_mod: Optional[Callable] = None,
                  score_mod_bwd: Optional[Callable] = None, aux_grad: Optional[Callable] = None,
-                 mask_mod: Optional[Callable] = None, has_aux_tensors: bool = False, deterministic: bool = False):
+                 mask_mod: Optional[Callable] = None, has_aux_tensors: bool = False, deterministic: bool = False,
+                 grad_runs: bool = True, aux_grad_reads_score: bool = True):
         self.cfg = cfg.validate()
         self.dtype = dtype
         self.score_mod, self.score_mod_bwd, self.aux_grad, self.mask_mod = score_mod, score_mod_bwd, aux_grad, mask_mod
         if score_mod is None and (score_mod_bwd is not None or aux_grad is not None):
             raise ValueError("score_mod_bwd / aux_grad need the forward score_mod they differentiate")
         self.clamp_indices = has_aux_tensors
+        # Captured-tensor gradients summed in per-thread runs before their atomics (`bwd_aux_grad.GradRun`); off for
+        # generated code that does not add through `add_aux_grad` (it would index the buffers itself).
+        self.grad_runs = grad_runs and aux_grad is not None
         # Deterministic: the dQ partials of one query tile are reduced in increasing KV-tile order (a semaphore per
         # tile and warpgroup half), so the fp32 sums, and so dQ, are the same bits on every run.
         self.deterministic = deterministic
@@ -104,10 +110,11 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         # Lean register plan (a score_mod with a derivative to apply at D=128, or at D=64 with 128-row query tiles):
         # fp32 dK+dV (head_dim per thread), S, dP and the pre-mod scores (tile_m / 2 each) do not fit in 240
         # registers together, so dP^T is computed only after P is formed, and P is kept in 16 bits from then on.
-        # A score_mod whose derivative is 1 (an additive bias without learnable tensors) comes with no score_mod_bwd
-        # and no aux_grad: dS is used as it is and the pre-mod scores are never kept, so the full plan fits.
-        self.needs_raw_scores = score_mod_bwd is not None or aux_grad is not None
-        self.lean = self.needs_raw_scores and self.head_dim + self.tile_m > 128
+        # A score_mod whose derivative is 1 (an additive bias) comes with no score_mod_bwd: dS is used as it is, and
+        # unless its captured-tensor gradients read the score (`aux_grad_reads_score`: a multiplied weight's do, a
+        # learnable bias table's do not) the pre-mod scores are never kept, so the full plan fits.
+        self.needs_raw_scores = score_mod_bwd is not None or (aux_grad is not None and aux_grad_reads_score)
+        self.lean = (self.needs_raw_scores or aux_grad is not None) and self.head_dim + self.tile_m > 128
         self.early_dv = cfg.early_dv and not self.lean  # (the lean plan issues dV early in its own way)
         self.dq_warp = cfg.dq_warp
 
@@ -332,6 +339,8 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
 
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         kv_start = n_block * self.tile_n
+        if cutlass.const_expr(self.grad_runs):  # this thread's open run per captured-tensor gradient buffer
+            aux_grads = tuple(GradRun(t) for t in aux_grads)
 
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
         pipe_kv.consumer_wait(kv_state)
@@ -353,6 +362,8 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
             cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_EMPTY_WG1) + wg, number_of_threads=DQ_HANDOFF_THREADS)
         elif dq_issuer():
             cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last dQ reduce has read shared memory
+        if cutlass.const_expr(self.grad_runs):
+            flush_aux_grads(aux_grads)
         self.epilogue(acc_dK, acc_dV, softmax_scale, mdK, mdV, storage, sKV_layout, tma_dk, tma_dv,
                       tiled_mma_dkv, tidx, warp_idx, n_block, head_kv, batch)
 

@@ -19,7 +19,7 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .fwd_sm90 import wgmma
-from .layout import as_operand_a, convert_to_16bit, rows_view
+from .layout import as_operand_a, convert_to_16bit, row_major_order, rows_view
 from .mask import (FRAGMENT_ROWS, apply_fragment_bits, apply_mask_bits, apply_mask_mod, element_indices,
                    load_fragment_bits, mask_kv_tail, mask_mod_bits)
 from .named_barrier import BwdBarrier
@@ -141,7 +141,7 @@ class BwdStep:
             d = self.row_stat(mDpsum, ops.sDpsum, batch, head, q_start, c_cols[0, j][0], stage)
             for r in cutlass.range_constexpr(cute.size(dp_cols, mode=[0])):
                 dp_cols[r, j] = Float32(s_cols[r, j]) * (dp_cols[r, j] - d)
-        if cutlass.const_expr(self.needs_raw_scores):
+        if cutlass.const_expr(self.needs_raw_scores or self.aux_grad is not None):
             self.mod_backward(acc_dP, raw, coords, batch, head, q_start, kv_start, q_last, kv_last, aux_tensors,
                               aux_scalars, aux_grads)
 
@@ -193,12 +193,17 @@ class BwdStep:
         """Captured-tensor gradients from dS, then dS -> gradient of the raw score (the generated derivative).
 
         The indices go through `opaque_i32` so the compiler recomputes the mods' address math here instead of keeping
-        every element's address live since the forward mod ran (at D=64 that alone spilled 88 bytes)."""
+        every element's address live since the forward mod ran (at D=64 that alone spilled 88 bytes). Elements go
+        row by row (one key, then every query of the step), the order in which `bwd_aux_grad.GradRun` finds the
+        longest runs of adds to one table entry."""
         batch, head, q_start, kv_start = (opaque_i32(x) for x in (batch, head, q_start, kv_start))
-        for i in cutlass.range_constexpr(cute.size(acc_ds)):
+        order = row_major_order(acc_ds.layout.shape)
+        for k in cutlass.range_constexpr(len(order)):
+            i = order[k]
             q_idx, kv_idx = element_indices(coords, i, q_start, kv_start, q_last, kv_last, self.clamp_indices)
             if cutlass.const_expr(self.aux_grad is not None):
-                self.aux_grad(acc_ds[i], raw[i], batch, head, q_idx, kv_idx, aux_tensors, aux_scalars, aux_grads)
+                score = raw[i] if cutlass.const_expr(raw is not None) else Float32(0.0)  # (not read: see __init__)
+                self.aux_grad(acc_ds[i], score, batch, head, q_idx, kv_idx, aux_tensors, aux_scalars, aux_grads)
             if cutlass.const_expr(self.score_mod_bwd is not None):
                 acc_ds[i] = Float32(self.score_mod_bwd(acc_ds[i], raw[i], batch, head, q_idx, kv_idx, aux_tensors,
                                                        aux_scalars))

@@ -32,6 +32,15 @@ def rows_view(acc: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(acc.iterator, cute.composition(acc.layout, mn))
 
 
+def row_major_order(shape) -> list[int]:
+    """Flat indices of an accumulator fragment of static shape ((2, 2, N/8), MMA_M, MMA_N), row by row: each of the
+    thread's rows (row +0/+8, MMA_M) with all its columns (pair, N/8 block, MMA_N) before the next row."""
+    (pairs, halves, blocks), mma_m, mma_n = shape
+    return [p + pairs * (h + halves * (b + blocks * (m + mma_m * n)))
+            for m in range(mma_m) for h in range(halves) for n in range(mma_n) for b in range(blocks)
+            for p in range(pairs)]
+
+
 def as_operand_a(acc: cute.Tensor) -> cute.Tensor:
     """Re-view an S accumulator ((2,2,N/8), M, 1) as a wgmma A fragment ((2,2,2), M, N/16) for the P.V GEMM."""
     lay = cute.logical_divide(acc.layout, ((None, None, 2), None, None))

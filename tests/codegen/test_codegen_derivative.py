@@ -107,3 +107,28 @@ def test_gallery_score_mods_backward_matches_autograd(name):
     assert len(aux) == len(leaves)
     for got_t, want_t in zip(aux, expected[1:]):
         torch.testing.assert_close(got_t, want_t.to(got_t.dtype), rtol=1e-4, atol=1e-4)
+
+
+def test_aux_grad_reads_score_only_for_weights_that_touch_the_score():
+    """An additive learnable bias's gradient is grad itself (the backward then keeps no pre-mod scores); a learnable
+    weight multiplying the score needs the score."""
+    table = torch.randn(2, 9, requires_grad=True)
+    slope = torch.randn(2, requires_grad=True)
+    frozen = torch.randn(2)
+
+    def rel_bias(score, b, h, q_idx, kv_idx):
+        return score + table[h, torch.clamp(kv_idx - q_idx, -4, 4) + 4]
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slope[h] * (kv_idx - q_idx)
+
+    def weighted(score, b, h, q_idx, kv_idx):
+        return score * slope[h]
+
+    def gated(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score) * frozen[h] + table[h, 0]
+
+    assert not generate(rel_bias).aux_grad_reads_score
+    assert not generate(alibi).aux_grad_reads_score
+    assert generate(weighted).aux_grad_reads_score
+    assert not generate(gated).aux_grad_reads_score  # the score's own derivative needs it; the table's does not

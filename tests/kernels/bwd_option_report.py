@@ -46,13 +46,9 @@ def key_for(cfg, g, block_sparse: bool, deterministic: bool):
     from flexlab.kernels.bwd_launch import BwdKey
     if g is None:
         return BwdKey("", False, False, False, (), (), (), "bfloat16", cfg, block_sparse, deterministic)
-    aux = g.kernel_aux_tensors()
-    grads = any(g.aux_requires_grad)
-    return BwdKey(g.hash, g.has_score_mod, g.has_mask_mod, grads and g.has_score_mod,
-                  tuple((str(t.dtype).removeprefix("torch."), t.dim()) for t in aux),
-                  tuple("float" if k == "float" else "int" for k in g.aux_scalar_kinds),
-                  tuple(t.dim() for t, rg in zip(aux, g.aux_requires_grad) if rg), "bfloat16", cfg, block_sparse,
-                  deterministic)
+    from flexlab.kernels.bwd_launch import main_key
+    slots = [i for i, rg in enumerate(g.aux_requires_grad) if rg]
+    return main_key(g, g.kernel_aux_tensors(), slots, "bfloat16", cfg, block_sparse, deterministic)
 
 
 def compile_ptx(key, g) -> str:

@@ -34,6 +34,7 @@ def _coords(tile_m: int, tile_n: int, threads) -> dict:
         for t in threads:
             c = tiled.get_slice(t).partition_C(transpose_smem(cute.make_identity_tensor((tile_m, tile_n))))
             found[t] = [tuple(c[i]) for i in range(cute.size(c))]
+            found["shape"] = c.layout.shape
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -45,6 +46,8 @@ def test_transposed_accumulator_coordinates_are_query_then_key():
     tile_m, tile_n = 64, 128
     threads = (0, 5, 37, 127, 130, 255)
     for t, coords in _coords(tile_m, tile_n, threads).items():
+        if t == "shape":
+            continue
         g, w, lane = t // 128, (t % 128) // 32, t % 32
         keys = {64 * g + 16 * w + lane // 4 + 8 * r for r in (0, 1)}
         queries = {2 * (lane % 4) + c + 8 * j for c in (0, 1) for j in range(tile_m // 8)}
@@ -52,6 +55,19 @@ def test_transposed_accumulator_coordinates_are_query_then_key():
         assert {q for q, _ in coords} == queries, t
         assert {kv for _, kv in coords} == keys, t
         assert len(set(coords)) == len(coords)
+
+
+@pytest.mark.parametrize("tile_m", [64, 128])
+def test_row_major_order_walks_one_key_at_a_time(tile_m):
+    """Captured-tensor gradients are added in `row_major_order`: every query of one key row, ascending, then the
+    next key, so that a per-key or clipped-offset table entry forms one run (`bwd_aux_grad.GradRun`)."""
+    from flexlab.kernels.layout import row_major_order
+    found = _coords(tile_m, 128, (0, 37, 201))
+    order = row_major_order(found.pop("shape"))
+    for t, coords in found.items():
+        assert sorted(order) == list(range(len(coords))), t
+        walked = [coords[i] for i in order]
+        assert walked == sorted(walked, key=lambda qk: (qk[1], qk[0])), t
 
 
 def _stride_pattern(tensor_repr: str) -> list[str]:
