@@ -89,8 +89,17 @@ def _signature(query, key, value, score_mod, block_mask, scale, enable_gqa, retu
             type(scale), enable_gqa, return_lse, backend)
 
 
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+def _needs_grad(query, key, value, score_mod) -> bool:
+    """Whether the call must be differentiable: Q, K or V requires grad, or a tensor the score_mod captures does
+    (a learnable bias table trained with Q, K and V frozen)."""
+    if not torch.is_grad_enabled():
+        return False
+    if query.requires_grad or key.requires_grad or value.requires_grad:
+        return True
+    if score_mod is None:
+        return False
+    from .codegen.captures import captured_tensors
+    return any(t.requires_grad for t in captured_tensors(score_mod))
 
 
 def _cute_plan(query, key, value, score_mod, block_mask) -> tuple[str, bool]:
@@ -127,7 +136,7 @@ def _choose_backend(backend, query, key, value, score_mod, block_mask, determini
     """(backend to run, whether the cute backend must run its differentiable path)."""
     if backend == "auto" and query.device.type != "cuda":
         # torch's CPU flex_attention has no backward; the dense reference does
-        return ("reference" if _needs_grad(query, key, value) else "torch"), False
+        return ("reference" if _needs_grad(query, key, value, score_mod) else "torch"), False
     if backend not in ("auto", "cute"):
         return backend, False
     reason, needs_grad = _cute_plan(query, key, value, score_mod, block_mask)
@@ -135,7 +144,7 @@ def _choose_backend(backend, query, key, value, score_mod, block_mask, determini
         return "cute", needs_grad
     if backend == "cute":
         raise BackendUnavailableError(f"backend='cute' cannot run this call: {reason}")
-    if deterministic and _needs_grad(query, key, value):
+    if deterministic and _needs_grad(query, key, value, score_mod):
         raise BackendUnavailableError(
             f"deterministic=True needs flexlab's backward kernel, which cannot run this call: {reason}")
     return "torch", False
@@ -198,7 +207,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         out = out.to(query.dtype)
         lse = lse.to(torch.float64 if query.dtype == torch.float64 else torch.float32)
     elif chosen == "torch":
-        if query.device.type != "cuda" and _needs_grad(query, key, value):
+        if query.device.type != "cuda" and _needs_grad(query, key, value, score_mod):
             raise BackendUnavailableError(
                 "backend='torch' on CPU has no backward (torch's CPU flex_attention is forward-only); use "
                 "backend='reference' or 'auto' for gradients on CPU")

@@ -103,6 +103,27 @@ def test_captured_parameter_gets_gradient():
     assert rel_l2(g, g2) < 1e-10
 
 
+def test_auto_on_cpu_differentiates_a_learned_table_with_frozen_inputs():
+    """Only the captured table requires grad (Q, K and V frozen): "auto" must still take the differentiable path on
+    a CPU, not torch's forward-only one, and refuse it clearly where the backend cannot differentiate."""
+    H, S, D = 2, 64, 16
+    table = torch.zeros(H, 2 * S - 1, requires_grad=True)
+
+    def learnable_bias(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + S - 1]
+
+    q, k, v = random_qkv(1, H, S, S, D)
+    out = flexlab.flex_attention(q, k, v, learnable_bias)
+    (g,) = torch.autograd.grad(out.square().sum(), table)
+    ref = flexlab.flex_attention(q, k, v, learnable_bias, backend="reference")
+    (g_ref,) = torch.autograd.grad(ref.square().sum(), table)
+    assert g.abs().sum() > 0 and rel_l2(g, g_ref) < 1e-6
+    with pytest.raises(flexlab.BackendUnavailableError, match="backend='reference'"):
+        flexlab.flex_attention(q, k, v, learnable_bias, backend="torch")
+    with torch.no_grad():  # nothing to differentiate: torch's path is fine
+        flexlab.flex_attention(q, k, v, learnable_bias, backend="torch")
+
+
 def test_torch_backend_cpu_matches_reference():
     B, H, S, D = 1, 2, 150, 32
     score_mod, mask_mod = make_mods(B, H, S, S)["alibi_causal"]

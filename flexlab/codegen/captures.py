@@ -144,6 +144,16 @@ class CaptureRewriter:
         return value
 
 
+def captured_tensors(*fns) -> list:
+    """The tensors the functions capture, wherever the tracer would find them (closure cells, defaults, referenced
+    module globals, `functools.partial` arguments, helper functions), without tracing them."""
+    finder = CaptureRewriter(lambda slot, name, value: value, baked=set())
+    for fn in fns:
+        if fn is not None:
+            finder.rewrite(fn)
+    return [value for _, value in finder.watch if _is_tensor(value)]
+
+
 def _is_tensor(value) -> bool:
     import torch
     return isinstance(value, torch.Tensor)
