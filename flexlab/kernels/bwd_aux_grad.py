@@ -72,17 +72,16 @@ def add_aux_grad(dst, coord, value: Float32):
 @cute.jit
 def flush_aux_grads(runs: tuple):
     """Send every open run (all lanes of the warp together): one shuffle-summed atomic where the warp's lanes hold
-    the same element, one atomic per lane otherwise."""
+    the same element, one atomic per lane otherwise. The shuffles run on every lane unconditionally (no warp
+    collective under a branch); only the atomics are conditional."""
     for run in cutlass.range_constexpr(len(runs)):
         offset, total = runs[run].offset[0], runs[run].total[0]
-        if cute.arch.vote_all_sync(offset == cute.arch.shuffle_sync(offset, 0)):
-            total = cute.arch.warp_reduction_sum(total)
-            if cute.arch.lane_idx() == 0:
-                if total != Float32(0.0):
-                    atomic_add_grad(runs[run].tensor, offset, total)
-        else:
-            if total != Float32(0.0):
-                atomic_add_grad(runs[run].tensor, offset, total)
+        warp_total = cute.arch.warp_reduction_sum(total)
+        one_element = cute.arch.vote_all_sync(offset == cute.arch.shuffle_sync(offset, 0))
+        lane_share = cutlass.select_(cute.arch.lane_idx() == 0, warp_total, Float32(0.0))
+        send = cutlass.select_(one_element, lane_share, total)
+        if send != Float32(0.0):
+            atomic_add_grad(runs[run].tensor, offset, send)
         runs[run].offset[0] = Int32(-1)
         runs[run].total[0] = Float32(0.0)
 
