@@ -55,18 +55,22 @@ def atomic_add_grad(dst: cute.Tensor, offset, value: Float32):
 
 @cute.jit
 def add_aux_grad(dst, coord, value: Float32):
-    """dst[coord] += value: straight to global memory for a tensor, or into the thread's open run for a `GradRun`
-    (a different element than the run's sends the run first)."""
+    """dst[coord] += value, where a value of 0 (a masked or padded score) adds nothing and, for a `GradRun`, leaves
+    its run open: straight to global memory for a tensor, or into the thread's open run for a `GradRun` (another
+    element sends the run first). Branch-free but for one predicated atomic, so that the index math and loads of
+    consecutive scores can overlap."""
     if cutlass.const_expr(isinstance(dst, GradRun)):
-        offset = Int32(cute.crd2idx(coord, dst.tensor.layout))
         prev, total = dst.offset[0], dst.total[0]
-        if offset != prev:
-            if total != Float32(0.0):
-                atomic_add_grad(dst.tensor, prev, total)
-        dst.total[0] = cutlass.select_(offset == prev, total + value, value)
+        offset = cutlass.select_(value == Float32(0.0), prev, Int32(cute.crd2idx(coord, dst.tensor.layout)))
+        same = offset == prev
+        pending = cutlass.select_(same, Float32(0.0), total)
+        if pending != Float32(0.0):
+            atomic_add_grad(dst.tensor, prev, pending)
+        dst.total[0] = cutlass.select_(same, total + value, value)
         dst.offset[0] = offset
     else:
-        atomic_add_grad(dst, cute.crd2idx(coord, dst.layout), value)
+        if value != Float32(0.0):
+            atomic_add_grad(dst, cute.crd2idx(coord, dst.layout), value)
 
 
 @cute.jit
