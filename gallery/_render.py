@@ -153,11 +153,16 @@ _GALLERY_REF = re.compile(r"gallery:([A-Za-z_][A-Za-z0-9_]*)")
 _ROW_ALIASES = {"dense": "noop"}  # benchmark row variants that are a gallery variant under another name
 
 
+CARD_KINDS = ("aux-grad-probe",)  # result files besides the benchmark's whose rows belong on the cards
+
+
 def latest_results(results_dir: Path) -> dict[str, list[dict]]:
     """Benchmark rows per gallery variant; for each row and backend, the newest measurement across result files.
 
-    Result files come from ``python -m flexlab.bench``; a row names the variants it uses in ``mods``
-    (e.g. ``"gallery:softcap(cap=20) + gallery:causal"``), so a combined row is listed under each of them.
+    Result files come from ``python -m flexlab.bench`` (``"schema": 1``) and from the learned-table training probe
+    (``"kind": "aux-grad-probe"``); tuning sweeps, whose rows time debug builds with stages removed, are not shown.
+    A row names the variants it uses in ``mods`` (e.g. ``"gallery:softcap(cap=20) + gallery:causal"``), so a
+    combined row is listed under each of them.
     """
     merged: dict[str, dict] = {}  # row name -> {"row": row, "results": {backend: (stamp, result)}, ...}
     for path in sorted(results_dir.glob("*.json")) if results_dir.is_dir() else []:
@@ -165,7 +170,7 @@ def latest_results(results_dir: Path) -> dict[str, list[dict]]:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
-        if not isinstance(data, dict):
+        if not isinstance(data, dict) or not (data.get("schema") == 1 or data.get("kind") in CARD_KINDS):
             continue
         env = data.get("environment", {}) or {}
         stamp = f"{env.get('date_utc', '')}|{path.name}"
@@ -197,7 +202,10 @@ def latest_results(results_dir: Path) -> dict[str, list[dict]]:
 
 def _cell(result: dict) -> str:
     if result.get("status") == "ok":
-        return (f"<td title='rel-L2 vs fp64 {result.get('rel_l2', {}).get('out', float('nan')):.1e}'>"
+        checked = result.get("rel_l2")  # {"out": ...} or one number; training probes carry none of their own
+        checked = checked.get("out") if isinstance(checked, dict) else checked
+        title = f" title='rel-L2 vs fp64 {checked:.1e}'" if checked is not None else ""
+        return (f"<td{title}>"
                 f"{result.get('wall_ms', float('nan')):.3f} ms<br><span class='muted'>"
                 f"{result.get('tflops', float('nan')):.0f} TFLOPS</span></td>")
     reason = html.escape(str(result.get("error", result.get("status", ""))))[:200]

@@ -59,8 +59,10 @@ def test_score_picture_for_a_score_variant():
 
 
 def test_latest_results_merge_files_and_fill_the_card(tmp_path):
-    def write(name, date, rows):
-        (tmp_path / name).write_text(json.dumps({"environment": {"date_utc": date, "gpu": "H200"}, "rows": rows}))
+    def write(name, date, rows, **doc):
+        doc = doc or {"schema": 1}
+        (tmp_path / name).write_text(json.dumps({"environment": {"date_utc": date, "gpu": "H200"}, "rows": rows,
+                                                 **doc}))
 
     row = "fwd softcap_causal B1 S1k"
     mods = "gallery:softcap(cap=20) + gallery:causal"
@@ -72,6 +74,9 @@ def test_latest_results_merge_files_and_fill_the_card(tmp_path):
             "fa4": {"status": "n/a", "error": "not run this time"}}
     write("b_ours.json", "2026-02-01", [{"name": row, "variant": "softcap_causal", "mods": mods, "results": ours}])
     write("c_probe.json", "2026-03-01", [{"cycles": 3}])  # rows without a name are not benchmark rows
+    sweep = {"flexlab": {"status": "ok", "wall_ms": 9.9, "tflops": 1.0}, "-softmax": {"status": "ok", "tflops": 9.0}}
+    write("d_sweep.json", "2026-04-01", [{"name": row, "variant": "softcap_causal", "mods": mods, "results": sweep}],
+          ablations=["softmax"])  # a tuning sweep (no schema): its debug builds stay off the cards
 
     results = render.latest_results(tmp_path)
     assert set(results) >= {"softcap", "causal"}  # a combined row is listed under each variant it uses

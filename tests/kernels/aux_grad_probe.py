@@ -12,10 +12,25 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import torch
 
 VARIANTS = ("learnable_relative_bias", "t5_relative_bias", "per_head_bias")
+
+
+def bench_fields(row: dict, density: float) -> dict:
+    """`row` in the benchmark's result schema as well (`name`, `mods`, per-backend `results` with wall and kernel
+    ms and TFLOP/s at the mask's density), which `gallery/_render.py` puts on the variant's card."""
+    from flexlab.bench.rows import attention_flops
+    flops = attention_flops(row["B"], row["H"], row["S"], row["S"], row["D"], density, "fwd+bwd")
+    length = f"{row['S'] // 1024}k" if row["S"] % 1024 == 0 else str(row["S"])
+    results = {name: {"status": "ok", "wall_ms": t["wall_ms"], "kernel_ms": t["kernel_ms"],
+                      "tflops": flops / (t["wall_ms"] * 1e-3) / 1e12} for name, t in row["timing"].items()}
+    results.update({name: {"status": "error", "error": err} for name, err in row["errors"].items()})
+    return {"name": f"fwd+bwd {row['variant']} (table learned) + causal B{row['B']} S{length} H{row['H']} D{row['D']} "
+                    "bf16",
+            "mods": f"gallery:{row['variant']} + gallery:causal", "density": density, "results": results}
 
 
 def _rel(a, b) -> float:
@@ -75,6 +90,8 @@ def probe_variant(name: str, B: int, H: int, S: int, D: int, triton: bool) -> di
     for other in ("flexlab-deterministic", "flex-triton"):
         if other in grads:
             row["table_grad"][f"rel_l2_flexlab_vs_{other}"] = _rel(grads["flexlab"], grads[other])
+    from flexlab.bench.density import mask_density
+    row.update(bench_fields(row, mask_density(bm)))
     return row
 
 
@@ -89,7 +106,9 @@ def main(argv: list[str]) -> None:
         print(name, {n: (round(t["wall_ms"], 3), round(t["kernel_ms"], 3)) for n, t in row["timing"].items()},
               row["table_grad"], list(row["errors"]), flush=True)
     with open(path, "w") as f:
-        json.dump({"rows": rows, "torch": torch.__version__}, f, indent=1)
+        json.dump({"kind": "aux-grad-probe", "rows": rows, "torch": torch.__version__,
+                   "environment": {"gpu": torch.cuda.get_device_name(),
+                                   "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}}, f, indent=1)
 
 
 if __name__ == "__main__":
