@@ -252,6 +252,48 @@ def exp_per_head_bias(B, H, Q, KV, p, t):
     return None, lambda s: s + table[:, None, :]
 
 
+def exp_learnable_alibi(B, H, Q, KV, p, t):
+    expected = [2.0 ** (-8.0 * (head + 1) / H) for head in range(H)]
+    assert torch.allclose(t["slopes"].double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-6)
+    qi, ki = _grid(Q, KV)
+    distance = (qi - ki).abs().double()
+    return None, lambda s: s - t["slopes"].double()[:, None, None] * distance
+
+
+def _grid_hops_by_bfs(n: int) -> torch.Tensor:
+    """Hop counts between the nodes of the row-by-row square grid graph, by breadth-first search from each node."""
+    side = math.ceil(math.sqrt(n))
+    neighbours = [[] for _ in range(n)]
+    for node in range(n):
+        r, c = divmod(node, side)
+        for dr, dc in ((0, 1), (1, 0), (0, -1), (-1, 0)):
+            other = (r + dr) * side + (c + dc)
+            if 0 <= r + dr and 0 <= c + dc < side and other < n:
+                neighbours[node].append(other)
+    hops = torch.full((n, n), -1, dtype=torch.long)
+    for start in range(n):
+        hops[start, start] = 0
+        frontier = [start]
+        while frontier:
+            nxt = []
+            for node in frontier:
+                for other in neighbours[node]:
+                    if hops[start, other] < 0:
+                        hops[start, other] = hops[start, node] + 1
+                        nxt.append(other)
+            frontier = nxt
+    return hops
+
+
+def exp_graphormer_spatial_bias(B, H, Q, KV, p, t):
+    hops = _grid_hops_by_bfs(Q)
+    assert (hops >= 0).all()  # the grid is connected, its ragged last row included
+    clipped = hops.clamp(max=p["max_distance"])
+    assert torch.equal(t["distance"].long(), clipped)
+    bias = t["bias"].double()[:, clipped]  # (H, Q, KV)
+    return None, lambda s: s + bias
+
+
 def exp_sandwich(B, H, Q, KV, p, t):
     dim = p["dim"]
     qi, ki = _grid(Q, KV)
@@ -416,7 +458,7 @@ def test_random_parameters_match_independent_rewrite(name):
 def test_gradcheck_learnable_tables(name):
     """Finite differences agree with autograd through flexlab's API for q, k, v and the learnable table."""
     v = VARIANTS[name]
-    Q, KV = 9, 11
+    Q, KV = next((q, kv) for q, kv in [(9, 11), (9, 9)] if v.accepts_lengths(q, kv))
     mods = v.build(1, 2, Q, KV, **{p.name: p.min for p in v.params})  # smallest tables: fewer finite differences
     tables = [mods.tensors[n] for n in v.trainable]
     for table in tables:  # the mods captured these objects: switch them to float64 in place for gradcheck
