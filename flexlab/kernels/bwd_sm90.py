@@ -112,7 +112,9 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         # registers together, so dP^T is computed only after P is formed, and P is kept in 16 bits from then on.
         # A score_mod whose derivative is 1 (an additive bias) comes with no score_mod_bwd: dS is used as it is, and
         # unless its captured-tensor gradients read the score (`aux_grad_reads_score`: a multiplied weight's do, a
-        # learnable bias table's do not) the pre-mod scores are never kept, so the full plan fits.
+        # learnable bias table's do not) the pre-mod scores are never kept. Without captured-tensor gradients the
+        # full plan then fits; with them the per-score index math and the open runs take the lean plan's registers
+        # (the full plan spilled 64 bytes for a learnable relative bias at D=128 under a causal mask).
         self.needs_raw_scores = score_mod_bwd is not None or (aux_grad is not None and aux_grad_reads_score)
         self.lean = (self.needs_raw_scores or aux_grad is not None) and self.head_dim + self.tile_m > 128
         self.early_dv = cfg.early_dv and not self.lean  # (the lean plan issues dV early in its own way)
