@@ -36,9 +36,10 @@ _DOCS = {
     "score_mod": "The user's score_mod on one element: the already-scaled score -> Float32.",
     "mask_mod": "The user's mask_mod on one element: True keeps the position.",
     "score_mod_bwd": "grad * d(score_mod)/d(score) on one element, recomputing the forward temporaries it needs.",
-    "score_mod_aux_grad": ("Adds grad * d(score_mod)/d(captured[idx]) into aux_grads: fp32 atomics, or exact int64 "
-                           "fixed-point atomics when the buffer is int64 (deterministic mode); callers pass grad = 0 "
-                           "at padded positions."),
+    "score_mod_aux_grad": ("Adds grad * d(score_mod)/d(captured[idx]) into aux_grads (the kernel "
+                           "sums runs of adds to one entry per thread, then fp32 atomics, or exact int64 "
+                           "fixed-point ones in deterministic mode); callers pass grad = 0 at masked and padded "
+                           "positions, which adds nothing."),
 }
 
 
