@@ -96,10 +96,7 @@ def _needs_grad(query, key, value, score_mod) -> bool:
         return False
     if query.requires_grad or key.requires_grad or value.requires_grad:
         return True
-    if score_mod is None:
-        return False
-    from .codegen.captures import captured_tensors
-    return any(t.requires_grad for t in captured_tensors(score_mod))
+    return score_mod is not None and cute.captured_requires_grad(score_mod, None)
 
 
 def _cute_plan(query, key, value, score_mod, block_mask) -> tuple[str, bool]:

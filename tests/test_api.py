@@ -123,6 +123,12 @@ def test_auto_on_cpu_differentiates_a_learned_table_with_frozen_inputs():
     with torch.no_grad():  # nothing to differentiate: torch's path is fine
         flexlab.flex_attention(q, k, v, learnable_bias, backend="torch")
 
+    def unlowerable(score, b, h, q_idx, kv_idx):  # lgamma: no code generator support, the reference runs it
+        return torch.lgamma(score.abs() + 1.0) + table[h, q_idx - kv_idx + S - 1]
+
+    (g,) = torch.autograd.grad(flexlab.flex_attention(q, k, v, unlowerable).square().sum(), table)
+    assert g.abs().sum() > 0
+
 
 def test_torch_backend_cpu_matches_reference():
     B, H, S, D = 1, 2, 150, 32

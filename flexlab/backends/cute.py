@@ -287,11 +287,16 @@ def stores_mask_bits(score_mod, mask_mod) -> bool:
 
 
 def captured_requires_grad(score_mod, mask_mod) -> bool:
-    """Whether a tensor the mods capture requires grad (a learnable bias table, per-head slopes, ...)."""
+    """Whether a tensor the mods capture requires grad (a learnable bias table, per-head slopes, ...). Mods the code
+    generator cannot lower (which other backends still run) are searched for captured tensors without tracing."""
     mask_mod = _real_mask(mask_mod)
     if score_mod is None and mask_mod is None:
         return False
-    return _lowered(score_mod, mask_mod).captured_requires_grad()
+    try:
+        return _lowered(score_mod, mask_mod).captured_requires_grad()
+    except (UnsupportedModError, ImportError):
+        from ..codegen.captures import captured_tensors
+        return any(t.requires_grad for t in captured_tensors(score_mod, mask_mod))
 
 
 _MASK_REASON: dict = {}
