@@ -376,15 +376,14 @@ def _kernels(g, grad_slots, kernel_aux, dtype: torch.dtype, cfg: BwdConfig, spar
     hit = _KERNELS.get(fast)
     if hit is not None:
         return hit
-    has_aux_grad = bool(grad_slots) and g is not None and g.has_score_mod  # a mask has no gradient
-    fixed_point = bool(deterministic and has_aux_grad)
+    name, D = _DTYPES[dtype], cfg.head_dim
+    key = main_key(g, kernel_aux, grad_slots, name, cfg, sparse, deterministic, arch)
+    fixed_point = key.fixed_point_aux_grads
     if fixed_point and "add_aux_grad" not in g.source:
         raise BackendUnavailableError(
             "deterministic=True with captured tensors that require grad needs generated code that accumulates through "
             "flexlab.kernels.bwd_aux_grad.add_aux_grad (this code generator emits plain fp32 atomics); use "
             "backend='reference' or turn determinism off")
-    name, D = _DTYPES[dtype], cfg.head_dim
-    key = main_key(g, kernel_aux, grad_slots, name, cfg, sparse, deterministic, arch)
     hit = Kernels(preprocess_kernel(name, D, has_dlse, arch), main_kernel(key, g),
                   postprocess_kernel(name, D, arch, cfg.dq_layout), torch.int64 if fixed_point else torch.float32)
     _KERNELS[fast] = hit
@@ -451,7 +450,7 @@ def _build_plan(q, k, entry, cfg: BwdConfig, block_mask, block_size, determinist
     B, Hq, Sq, D = q.shape
     Hkv, Skv = k.shape[1], k.shape[2]
     g = entry.generated
-    config = cfg
+    keyed_cfg = cfg  # the object whose id keys this plan (`cfg` is replaced below): held with the plan
     dev = q.device
     kernel_aux = tuple(g.kernel_aux_tensors()) if g is not None else ()  # row-major, as bwd_sm90 compiled them
     for i, t in enumerate(kernel_aux):
@@ -477,7 +476,8 @@ def _build_plan(q, k, entry, cfg: BwdConfig, block_mask, block_size, determinist
     sq_pad = -(-Sq // pad) * pad
     rank = walk.ranks(sq_pad // cfg.tile_m) if deterministic and walk is not None else None
     sparse = None if walk is None else walk.tensors if bits is None else walk.tensors + (bits.words,)
-    return _Plan(kernels, cfg, sq_pad, sparse, rank, tile_order, (config, g, entry, *(block_mask or ()), walk, bits))
+    return _Plan(kernels, cfg, sq_pad, sparse, rank, tile_order,
+                 (keyed_cfg, g, entry, *(block_mask or ()), walk, bits))
 
 
 def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, block_size, scale: float,

@@ -105,11 +105,16 @@ def test_warm_training_steps_match_the_full_path(monkeypatch):
         assert rel_l2(a, b) < 1e-12
 
 
+def _qkv_dout():
+    """float64 q, k, v requiring grad, and an output gradient (B1 H2 S40 D32)."""
+    return tuple(torch.randn(1, 2, 40, 32, dtype=torch.float64, requires_grad=i < 3) for i in range(4))
+
+
 def test_warm_training_reads_the_scale_and_the_deterministic_mode_per_call(monkeypatch):
     def softcap(score, b, h, q_idx, kv_idx):
         return 5.0 * torch.tanh(score / 5.0)
 
-    q, k, v, dout = (torch.randn(1, 2, 40, 32, dtype=torch.float64, requires_grad=i < 3) for i in range(4))
+    q, k, v, dout = _qkv_dout()
     counts = _cpu_flexlab(monkeypatch, softcap)
     _step(q, k, v, softcap, dout, [q, k, v], scale=0.3)
     warm = _step(q, k, v, softcap, dout, [q, k, v], scale=0.1, deterministic=True)
@@ -125,7 +130,7 @@ def test_inference_and_new_captures_leave_the_warm_training_path(monkeypatch):
     def softcap(score, b, h, q_idx, kv_idx):
         return cap * torch.tanh(score / cap)
 
-    q, k, v, dout = (torch.randn(1, 2, 40, 32, dtype=torch.float64, requires_grad=i < 3) for i in range(4))
+    q, k, v, dout = _qkv_dout()
     counts = _cpu_flexlab(monkeypatch, softcap)
     _step(q, k, v, softcap, dout, [q, k, v])
     train = api._WARM_TRAIN[next(iter(api._WARM_TRAIN))]
@@ -145,7 +150,7 @@ def test_a_shared_entry_regenerated_elsewhere_is_regenerated_for_this_call(monke
     def softcap(score, b, h, q_idx, kv_idx):
         return cap * torch.tanh(score / cap)
 
-    q, k, v, dout = (torch.randn(1, 2, 40, 32, dtype=torch.float64, requires_grad=i < 3) for i in range(4))
+    q, k, v, dout = _qkv_dout()
     counts = _cpu_flexlab(monkeypatch, softcap)
     _step(q, k, v, softcap, dout, [q, k, v])
     cap = 2.0
