@@ -92,6 +92,15 @@ def _bwd_rows() -> list[Row]:
     return rows
 
 
+def _d256_rows() -> list[Row]:
+    """Head dim 256 (the wanted size; the default sets stop at 128): forward and forward+backward."""
+    rows = []
+    for mode in (FWD, FWD_BWD):
+        rows += [Row(variant, 4, 4096, D=256, mode=mode) for variant in ("dense", "causal", "sliding_window")]
+        rows += [Row("causal", 1, 16384, D=256, mode=mode)]
+    return rows
+
+
 def _validation_rows() -> list[Row]:
     """A handful of rows touching every peer and every kind of mod, for checking a machine quickly."""
     return [Row("causal", 4, 4096), Row("causal", 4, 4096, mode=FWD_BWD), Row("document", 4, 4096),
@@ -103,6 +112,7 @@ ROW_SETS: dict[str, list[Row]] = {
     "fwd-default": _fwd_rows(),
     "bwd-default": _bwd_rows(),
     "validate": _validation_rows(),
+    "d256": _d256_rows(),
 }
 ROW_SETS["all"] = ROW_SETS["fwd-default"] + ROW_SETS["bwd-default"]
 

@@ -1,10 +1,10 @@
 """Static configuration of the Hopper backward kernel, and the one check that a configuration fits the chip.
 
-The backward CTA owns `tile_n` rows of K/V (64 per consumer warpgroup) and walks Q in `tile_m`-row steps, so a
-BlockMask drives it when its KV block size is a multiple of `tile_n` and its Q block size a multiple of `tile_m`.
-With a block mask `tile_m` (64 or 128) divides torch's default BLOCK_SIZE=128 and `tile_n` is 128, the forward's KV
-tile, so one mask built at that size serves both passes for every supported head dim
-(`shares_block_mask_with_forward`); without one, D=128 steps 80 rows (`DENSE_TILE_M`).
+The backward CTA owns `tile_n` rows of K/V (64 per consumer warpgroup; at D=256 two warpgroups share 64,
+`split_head_dim`) and walks Q in `tile_m`-row steps, so a BlockMask drives it when its KV block size is a multiple of
+`tile_n` and its Q block size a multiple of `tile_m`. With a block mask `tile_m` (64 or 128) divides torch's default
+BLOCK_SIZE=128 and `tile_n` is 128 (64 at D=256), so one mask built at that size serves both passes for every
+supported head dim (`shares_block_mask_with_forward`); without one, D=128 steps 80 rows (`DENSE_TILE_M`).
 
 The boolean fields are speed options; each setting is a separate compiled kernel, and
 `tests/kernels/bwd_perf_sweep.py` times and checks every candidate against the default on the H200. The default
@@ -60,7 +60,10 @@ from dataclasses import dataclass, replace
 
 from .config import REGISTERS_PER_SM, SMEM_BYTES_SM90, default_config
 
-BWD_HEAD_DIMS = (64, 128)
+BWD_HEAD_DIMS = (64, 128, 256)
+# Head dims above this split dK and dV by columns over two consumer warpgroups that share one 64-row KV tile
+# (`BwdConfig.split_head_dim`): a 64 x 256 fp32 dK plus dV is 256 registers per thread of one warpgroup.
+MAX_UNSPLIT_HEAD_DIM = 128
 # Q rows per step at head_dim 64 without a score_mod derivative: 1.13-1.16x faster main kernel than 64 on the dense
 # and causal S16k rows once the wgmma descriptors stayed in uniform registers (bwd_sweep_h200_2026-11-30b.json);
 # 0.78x with soft-capping, whose derivative keeps the raw scores live; captured-tensor gradients double the per-step
@@ -113,8 +116,15 @@ class BwdConfig:
     mask_bits: bool = False
 
     @property
+    def split_head_dim(self) -> bool:
+        """Two consumer warpgroups share the CTA's 64 key rows (head_dim 256): each computes S^T and dP^T for half
+        the step's query columns, P^T and dS^T meet in shared memory, and each accumulates dK and dV for half the
+        head dim from there (FA3's hdim-256 split). Below, each warpgroup owns 64 key rows outright."""
+        return self.head_dim > MAX_UNSPLIT_HEAD_DIM
+
+    @property
     def num_consumer_wgs(self) -> int:
-        return self.tile_n // 64
+        return 2 if self.split_head_dim else self.tile_n // 64
 
     @property
     def dq_layout(self) -> tuple:
@@ -142,6 +152,8 @@ class BwdConfig:
         kv = 2 * self.tile_n * self.head_dim * self.dtype_bytes  # K and V (reused for dK, dV in the epilogue)
         q_do = 2 * self.num_stages * self.tile_m * self.head_dim * self.dtype_bytes
         ds = 2 * self.tile_m * self.tile_n * self.dtype_bytes  # double-buffered dS
+        if self.split_head_dim:
+            ds *= 2  # ... and P, which the other warpgroup's dV GEMM reads too
         dq = self.tile_m * self.head_dim * 4  # fp32 dQ partial, reduced into global by TMA
         return up(head) + kv + q_do + ds + dq
 
@@ -151,6 +163,11 @@ class BwdConfig:
             return f"head_dim={self.head_dim} is not one of {BWD_HEAD_DIMS} for the backward kernel"
         if self.tile_n not in (64, 128):
             return f"tile_n={self.tile_n} must be 64 or 128 (one or two 64-row consumer warpgroups)"
+        if self.split_head_dim and (self.tile_n != 64 or self.tile_m % 32 or self.dq_swap_ab or self.dq_split_rows
+                                    or self.mask_early or self.early_dv or self.mask_bits or not self.dk_after_dq):
+            return (f"head_dim={self.head_dim} splits 64 key rows over two warpgroups: it needs tile_n=64, tile_m a "
+                    "multiple of 32, dk_after_dq, and none of dq_swap_ab, dq_split_rows, mask_early, early_dv, "
+                    "mask_bits")
         if self.tile_m % 16 or not 16 <= self.tile_m <= 128:
             return f"tile_m={self.tile_m} must be a multiple of 16 in [16, 128] (wgmma N and K granularity)"
         if self.num_stages < 1:
@@ -173,9 +190,10 @@ class BwdConfig:
         producer, consumer = self.register_split
         if 128 * producer + 128 * self.num_consumer_wgs * consumer > REGISTERS_PER_SM:
             return "register split exceeds 64K registers per CTA"
-        # Per consumer thread: dK + dV accumulators (head_dim/2 each), S^T and dP^T (tile_m/2 each). A score_mod
-        # adds the pre-mod scores (tile_m/2) while dS is formed; the compile report (ptxas) has the last word.
-        live = self.head_dim + self.tile_m
+        # Per consumer thread: dK + dV accumulators (head_dim/2 each), S^T and dP^T (tile_m/2 each), each halved
+        # where two warpgroups share the key rows. A score_mod adds the pre-mod scores (tile_m/2) while dS is formed;
+        # the compile report (ptxas) has the last word.
+        live = (self.head_dim + self.tile_m) // (2 if self.split_head_dim else 1)
         if live + 32 > consumer:
             return f"about {live + 32} live registers per consumer thread, only {consumer} after setmaxnreg"
         return None
@@ -213,6 +231,11 @@ def default_bwd_config(head_dim: int, deterministic: bool = False, mod_grads: bo
       1.02x deterministic causal (benchmarks/results/bwd_d64_rows_h200_2026-11-30.json); at 64-row steps it does
       not apply, and 128 rows with a soft-cap derivative were 0.93x.
     """
+    if head_dim > MAX_UNSPLIT_HEAD_DIM:
+        # 64 x 64 steps and one Q/dO stage: K, V, Q, dO (64 KiB each at 256 columns), dS, P and the fp32 dQ partial
+        # (64 KiB) fill shared memory (FA3's and FA4's hdim-256 tile under a block mask).
+        return BwdConfig(head_dim=head_dim, tile_m=64, tile_n=64, num_stages=1, kv_tiles_first=not deterministic,
+                         lpt_order=LPT_ORDER and not deterministic and q_block is not None)
     tile_m = 64
     if (head_dim == 64 and not mod_grads and mask_ops <= D64_MAX_MASK_OPS
             and (q_block is None or q_block % D64_TILE_M == 0)):

@@ -2,7 +2,11 @@
 
 One CTA owns `tile_n` rows of K and V of one KV head (64 rows per consumer warpgroup) and walks every query tile that
 attends to them, for every query head of its GQA group, so dK and dV are complete sums when the CTA ends: they are
-stored once, without atomics, and are the same bits on every run.
+stored once, without atomics, and are the same bits on every run. At head dim 256 (`BwdConfig.split_head_dim`) the
+two consumer warpgroups share 64 key rows instead: each forms S^T and dP^T for half the step's query columns, writes
+P^T and dS^T to shared memory, and after one barrier accumulates dV and dK for half the head dim from both halves
+(A operands read transposed from shared memory), as the registers of a 64 x 256 fp32 dK and dV would not fit one
+warpgroup.
 
   * warpgroup 0 is the producer: one warp loads K and V once, then Q and dO tiles into a `num_stages` ring (TMA);
     a second warp (the dQ warp, `BwdConfig.dq_warp`, on by default) issues the consumers' dQ reduces;
@@ -116,7 +120,11 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         # full plan then fits; with them the per-score index math and the open runs take the lean plan's registers
         # (the full plan spilled 64 bytes for a learnable relative bias at D=128 under a causal mask).
         self.needs_raw_scores = score_mod_bwd is not None or (aux_grad is not None and aux_grad_reads_score)
-        self.lean = (self.needs_raw_scores or aux_grad is not None) and self.head_dim + self.tile_m > 128
+        # Head dim 256 (`BwdConfig.split_head_dim`): two warpgroups share the 64 key rows, so each holds half of
+        # every accumulator and the full plan fits; P^T and dS^T reach the dV and dK GEMMs through shared memory.
+        self.split = cfg.split_head_dim
+        self.lean = ((self.needs_raw_scores or aux_grad is not None) and self.head_dim + self.tile_m > 128
+                     and not self.split)
         self.early_dv = cfg.early_dv and not self.lean  # (the lean plan issues dV early in its own way)
         self.dq_warp = cfg.dq_warp
 
@@ -154,12 +162,22 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         mQ, mK, mV, mdO, mdK, mdV = [bshd_view(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]
         tile_m, tile_n, hd = self.tile_m, self.tile_n, self.head_dim
         mdQlines = dq_accum_lines(mdQaccum, hd)
-        tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(  # S^T = K Q^T and dP^T = V dO^T
-            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
-            atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, tile_m))
-        tiled_mma_dkv = sm90_utils.make_trivial_tiled_mma(  # dV += P^T dO, dK += dS^T Q (A from registers)
-            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-            atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, hd), a_source=warpgroup.OperandSource.RMEM)
+        if cutlass.const_expr(self.split):
+            # the warpgroups split S^T and dP^T by query columns and dK, dV by head-dim columns; P^T and dS^T are
+            # read transposed from shared memory (key rows contiguous: wgmma's MN-major A)
+            tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                atom_layout_mnk=(1, self.num_wg, 1), tiler_mn=(64, tile_m // self.num_wg))
+            tiled_mma_dkv = sm90_utils.make_trivial_tiled_mma(
+                self.dtype, self.dtype, OperandMajorMode.MN, OperandMajorMode.MN, Float32,
+                atom_layout_mnk=(1, self.num_wg, 1), tiler_mn=(64, hd // self.num_wg))
+        else:
+            tiled_mma_sdp = sm90_utils.make_trivial_tiled_mma(  # S^T = K Q^T and dP^T = V dO^T
+                self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, tile_m))
+            tiled_mma_dkv = sm90_utils.make_trivial_tiled_mma(  # dV += P^T dO, dK += dS^T Q (A from registers)
+                self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+                atom_layout_mnk=(self.num_wg, 1, 1), tiler_mn=(64, hd), a_source=warpgroup.OperandSource.RMEM)
         tiled_mma_dq = make_dq_tiled_mma(self.dtype, hd, self.num_wg, self.dq_split_rows, self.dq_swap_ab, tile_m)
 
         atom_d = warpgroup.make_smem_layout_atom(
@@ -168,7 +186,9 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
             sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, tile_n), self.dtype)
         sKV_layout = cute.tile_to_shape(atom_d, (tile_n, hd), order=(0, 1))
         sQ_layout = cute.tile_to_shape(atom_d, (tile_m, hd, self.num_stages), order=(0, 1, 2))
-        sdS_layout = cute.tile_to_shape(atom_ds, (tile_m, tile_n, 2), order=(0, 1, 2))
+        # two dS buffers (one step's, while the other warpgroup may still read the last); with `split`, stages 2-3
+        # hold P the same way
+        sdS_layout = cute.tile_to_shape(atom_ds, (tile_m, tile_n, 4 if self.split else 2), order=(0, 1, 2))
         # fp32 dQ partials, one slab of dq_rows * dq_cols elements per warpgroup, in fragment order (`bwd_dq`)
         slab_elems = self.dq_rows * self.dq_cols
         sdQ_layout = dq_slab_layout(slab_elems, self.num_wg)
@@ -296,7 +316,12 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         tPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
         tVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sdO)))
         tKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sQ)))
-        tVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((self.tile_n, self.tile_m)))
+        tVrP = tVsP = tKsdS = None
+        if cutlass.const_expr(self.split):  # P^T and dS^T from shared memory, (key rows, query rows, stage)
+            tVsP = wg_dkv.make_fragment_A(wg_dkv.partition_A(transpose_smem(sdS)))
+            tKsdS = tVsP  # the same staged buffer: dS^T at stages 0-1, P^T at 2-3
+        else:
+            tVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((self.tile_n, self.tile_m)))
         if cutlass.const_expr(self.dq_swap_ab):  # dQ^T = K^T dS^T
             tQrdS = wg_dq.make_fragment_B(wg_dq.partition_B(sdS))
             tQrKt = wg_dq.make_fragment_A(wg_dq.partition_A(transpose_smem(sK)))
@@ -328,7 +353,7 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         if cutlass.const_expr(stats is not None):
             sLSE2, sDpsum = stats[2], stats[3]
         ops = StepOperands(tSrK=tSrK, tSrQ=tSrQ, tPrV=tPrV, tPrdO=tPrdO, tVrdOt=tVrdOt, tKrQt=tKrQt, tVrP=tVrP,
-                           tQrdS=tQrdS, tQrKt=tQrKt, s_shape=s_shape, dq_shape=dq_shape, coords=coords, st_ds=st_ds,
+                           tVsP=tVsP, tKsdS=tKsdS, tQrdS=tQrdS, tQrKt=tQrKt, s_shape=s_shape, dq_shape=dq_shape, coords=coords, st_ds=st_ds,
                            thr_st_ds=thr_st_ds, tdSsdS=tdSsdS, dq_store_view=dq_store_view, sLSE2=sLSE2, sDpsum=sDpsum,
                            stored=None)
         if cutlass.const_expr(bits is not None):  # (bits, KV tile, this thread's first key row, its word = lane % 4)

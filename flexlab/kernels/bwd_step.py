@@ -37,7 +37,8 @@ def opaque_i32(x: Int32, *, loc=None, ip=None) -> Int32:
 class StepOperands(SimpleNamespace):
     """The per-thread views one step works on, built once per CTA by `consume` and only read inside the loop:
     smem-descriptor fragments (tSrK, tSrQ, tPrV, tPrdO, tVrdOt, tKrQt, tQrdS, tQrKt), the register A fragment of P
-    (tVrP), the dS store (st_ds, thr_st_ds, and tdSsdS, or None and a `ds_store_view()` that rebuilds it), the
+    (tVrP) or, with head dims split over the warpgroups, the staged shared-memory A fragments of P^T and dS^T (tVsP,
+    tKsdS; None otherwise), the dS store (st_ds, thr_st_ds, and tdSsdS, or None and a `ds_store_view()` that rebuilds it), the
     builder of the dQ slab view (dq_store_view), the accumulator shapes (s_shape, dq_shape), the (q, kv) coordinates
     of the transposed score accumulator (coords), with stats_in_smem the per-stage LSE2/D rows in shared memory
     (sLSE2, sDpsum; None otherwise) and, with mask_bits, where this thread's stored mask bits are (stored: bits, KV
@@ -134,6 +135,12 @@ class BwdStep:
             warpgroup.wait_group(0)
             s_cols = rows_view(rP)
         else:
+            if cutlass.const_expr(self.split):
+                # P^T (16 bit) to shared memory, where the other warpgroup's dV GEMM reads it too
+                rP = cute.make_rmem_tensor_like(acc_S, self.dtype)
+                convert_to_16bit(acc_S, rP)
+                tdSsdS = ops.tdSsdS if ops.tdSsdS is not None else ops.ds_store_view()
+                cute.copy(ops.st_ds, ops.thr_st_ds.retile(rP), tdSsdS[None, None, None, 2 + ds_index])
             warpgroup.wait_group(0)
         # dS^T = P^T * (dP^T - D[q])
         dp_cols = rows_view(acc_dP)
@@ -145,7 +152,7 @@ class BwdStep:
             self.mod_backward(acc_dP, raw, coords, batch, head, q_start, kv_start, q_last, kv_last, aux_tensors,
                               aux_scalars, aux_grads)
 
-        if cutlass.const_expr(not self.lean and not self.early_dv):
+        if cutlass.const_expr(not self.lean and not self.early_dv and not self.split):
             convert_to_16bit(as_operand_a(acc_S), ops.tVrP)
         rdS = cute.make_rmem_tensor_like(acc_dP, self.dtype)
         convert_to_16bit(acc_dP, rdS)
@@ -153,7 +160,7 @@ class BwdStep:
         cute.copy(ops.st_ds, ops.thr_st_ds.retile(rdS), tdSsdS[None, None, None, ds_index])
         cute.arch.fence_view_async_shared()  # dS^T in shared memory must be visible to the wgmma async proxy
 
-        if cutlass.const_expr(not self.lean and not self.early_dv):
+        if cutlass.const_expr(not self.lean and not self.early_dv and not self.split):
             wgmma(tiled_mma_dkv, acc_dV, ops.tVrP, ops.tVrdOt[None, None, None, stage], False, -1)
         if cutlass.const_expr(not self.dk_after_dq):
             wgmma(tiled_mma_dkv, acc_dK, as_operand_a(rdS), ops.tKrQt[None, None, None, stage], False, -1)
@@ -161,7 +168,18 @@ class BwdStep:
         cute.arch.barrier(barrier_id=int(BwdBarrier.DS_READY), number_of_threads=self.num_consumer_threads)
         acc_dQ = cute.make_rmem_tensor(ops.dq_shape, Float32)
         ds_stage = cute.arch.make_warp_uniform(ds_index)
-        if cutlass.const_expr(self.dk_after_dq):
+        if cutlass.const_expr(self.split):
+            # dQ, then dV and dK for this warpgroup's head-dim columns from both warpgroups' P^T and dS^T; the dQ
+            # partial leaves while those two are on the tensor cores
+            wgmma(tiled_mma_dq, acc_dQ, *self.dq_operands(ops, ds_stage), True, -1)
+            wgmma(tiled_mma_dkv, acc_dV, ops.tVsP[None, None, None, 2 + ds_stage], ops.tVrdOt[None, None, None, stage],
+                  False, -1)
+            wgmma(tiled_mma_dkv, acc_dK, ops.tKsdS[None, None, None, ds_stage], ops.tKrQt[None, None, None, stage],
+                  False, 2)
+            self.reduce_dq(acc_dQ, ops.dq_store_view(), tdQs, tdQg, tma_dq, m_block, order, batch, head, wg)
+            warpgroup.wait_group(0)
+            pipe_qdo.consumer_release(state)
+        elif cutlass.const_expr(self.dk_after_dq):
             # dQ first, then dK; waiting for all but the newest group leaves dK on the tensor cores while the dQ
             # partial goes to shared memory and TMA. The stage (Q is dK's B operand) is released once dK is done.
             wgmma(tiled_mma_dq, acc_dQ, *self.dq_operands(ops, ds_stage), True, -1)

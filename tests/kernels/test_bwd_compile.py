@@ -31,7 +31,7 @@ def _no_spills(report):
     assert report["spill_stores"] == 0 and report["spill_loads"] == 0, report
 
 
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("has_dlse", [False, True])
 def test_preprocess_compiles(D, has_dlse):
     from flexlab.kernels.bwd_launch import compile_preprocess
@@ -44,7 +44,7 @@ def test_preprocess_compiles(D, has_dlse):
     assert re.search(r"st\.global\.v4\.b32\s+\[[^\]]+\],\s*\{" + zero4 + r"\}", ptx), "dQ sums not zeroed 16 B at a time"
 
 
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 def test_postprocess_compiles(D):
     from flexlab.kernels.bwd_launch import compile_postprocess
     ptx, report = _assemble(compile_postprocess("float16", D, options=KEEP_PTX))
@@ -69,16 +69,18 @@ def _main_key(D, block_sparse=False, g=None, deterministic=False):
 def _check_main(ptx, report, D, tile_m=64):
     _no_spills(report)
     assert "ld.local" not in ptx and "st.local" not in ptx
+    # D=256 splits the head dim of dK/dV and the query columns of S^T/dP^T over the two consumer warpgroups
     n = D if D == 64 else 128
+    n_scores = tile_m // 2 if D == 256 else tile_m
     assert f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16" in ptx  # dK/dV GEMMs, N = head dim
-    assert f"wgmma.mma_async.sync.aligned.m64n{tile_m}k16.f32.bf16.bf16" in ptx  # S^T and dP^T, N = tile_m
+    assert f"wgmma.mma_async.sync.aligned.m64n{n_scores}k16.f32.bf16.bf16" in ptx  # S^T and dP^T, N = tile_m
     assert "cp.reduce.async.bulk.tensor" in ptx and ".add." in ptx  # dQ partials reduced by TMA
     assert "cp.async.bulk.tensor.4d.shared::cta.global" in ptx  # TMA loads
     assert "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx  # dS^T written transposed
     assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx
 
 
-@pytest.mark.parametrize("D,block_sparse", [(64, False), (128, False), (128, True)])
+@pytest.mark.parametrize("D,block_sparse", [(64, False), (128, False), (128, True), (256, False), (256, True)])
 def test_main_kernel_compiles_without_spills(D, block_sparse):
     from flexlab.kernels.bwd_launch import compile_main
     key = _main_key(D, block_sparse)
@@ -86,7 +88,7 @@ def test_main_kernel_compiles_without_spills(D, block_sparse):
     _check_main(ptx, report, D, key.config.tile_m)
 
 
-@pytest.mark.parametrize("D,block_sparse", [(128, False), (64, True)])
+@pytest.mark.parametrize("D,block_sparse", [(128, False), (64, True), (256, True)])
 def test_deterministic_kernel_orders_dq_reductions(D, block_sparse):
     """Deterministic mode: each dQ reduce waits (acquire) for its turn and signals the next KV tile (release)."""
     from flexlab.kernels.bwd_launch import compile_main
@@ -179,6 +181,22 @@ def test_main_kernel_with_learnable_bias_and_mask_d64():
     ptx, report = _assemble(compile_main(key, g.module(), options=KEEP_PTX))
     _check_main(ptx, report, 64, key.config.tile_m)
     assert "atom.global.add.f32" in ptx  # the bias table's gradient
+
+
+def test_head_dim_256_splits_dk_dv_over_warpgroups():
+    """D=256: the two consumer warpgroups share 64 key rows; P^T and dS^T go to shared memory for the dV and dK
+    GEMMs, which read them transposed (MN-major A: no register A operand), with a learnable bias and a mask too."""
+    from flexlab.kernels.bwd_config import default_bwd_config
+    from flexlab.kernels.bwd_launch import compile_main
+    cfg = default_bwd_config(256)
+    assert cfg.split_head_dim and cfg.tile_n == 64 and cfg.num_consumer_wgs == 2 and cfg.num_threads == 384
+    g = _learnable_bias_mods()
+    key = _main_key(256, True, g)
+    ptx, report = _assemble(compile_main(key, g.module(), options=KEEP_PTX))
+    _check_main(ptx, report, 256, key.config.tile_m)
+    assert "atom.global.add.f32" in ptx
+    # two transposed stmatrix stores per step (P^T and dS^T), and no GEMM takes a register A operand
+    assert not re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16\s+\{[^}]*\},\s*\{", ptx)
 
 
 def test_main_kernel_with_learnable_bias_d128_nearly_fits():

@@ -55,7 +55,7 @@ def _reference_grads(q, k, v, score_mod, bm, trainable, dout, gqa):
 @needs_hopper
 @pytest.mark.parametrize("name", sorted(load_gallery()))
 @pytest.mark.parametrize("S", [1000, pytest.param(4096, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("Hkv", [4, 2], ids=["mha", "gqa"])
 def test_gallery_gradients_match_float64(name, S, D, Hkv):
     variant = load_gallery()[name]
@@ -76,7 +76,7 @@ def test_gallery_gradients_match_float64(name, S, D, Hkv):
 
 @needs_hopper
 @pytest.mark.parametrize("Sq,Skv", [(1, 1), (127, 127), (129, 129), (200, 333), (333, 200), (1023, 1024)])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 def test_awkward_lengths_dense(Sq, Skv, D):
     q, k, v = random_qkv(1, 2, Sq, Skv, D, torch.bfloat16, "cuda", requires_grad=True)
     dout = torch.randn(1, 2, Sq, D, device="cuda", dtype=torch.bfloat16)
@@ -88,7 +88,7 @@ def test_awkward_lengths_dense(Sq, Skv, D):
 
 @needs_hopper
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sliding-window"])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 def test_deterministic_mode_repeats_bitwise(sparse, D):
     S = 2048
     bm = None
@@ -194,7 +194,7 @@ def test_torch_compile_fullgraph_model_on_gpu():
 @needs_hopper
 @pytest.mark.parametrize("variant", ["dense", "causal", "sliding_window"])
 @pytest.mark.parametrize("S", [1000, 4096])
-@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("Hkv", [4, 2], ids=["mha", "gqa"])
 def test_gradient_error_no_worse_than_fa4(variant, S, D, Hkv):
     """Where flash-attn-4 can run the same attention, our gradient error is at most 1.5x its error."""
