@@ -110,6 +110,11 @@ class BwdConfig:
     # dQ is computed transposed, dQ^T = K^T dS^T: the head dim on wgmma's M axis (64 per consumer warpgroup) and
     # the query rows on N, so a step may take any multiple of 16 rows, not only 64 or 128 (`DENSE_TILE_M`).
     dq_swap_ab: bool = False
+    # Each consumer thread adds its dQ partial straight into the fp32 accumulator with 16-byte vector reductions
+    # (red.global.add.v4.f32, in the slab's fragment order), instead of through a shared-memory slab and a TMA
+    # reduce-add: frees the slab (64 KiB at D=256, room for a second Q/dO stage) and needs no dQ warp. No order
+    # among the adds, so never in deterministic mode.
+    dq_red: bool = False
     # Block-sparse only: partial blocks read their mask from bits stored by the launcher (`runtime.mask_bits`, rows =
     # keys, 64 or 128 query columns) instead of evaluating mask_mod; chosen where the forward's are
     # (`kernels.config.STORE_MASK_BITS`: masks that read captured tensors).
@@ -154,7 +159,7 @@ class BwdConfig:
         ds = 2 * self.tile_m * self.tile_n * self.dtype_bytes  # double-buffered dS
         if self.split_head_dim:
             ds *= 2  # ... and P, which the other warpgroup's dV GEMM reads too
-        dq = self.tile_m * self.head_dim * 4  # fp32 dQ partial, reduced into global by TMA
+        dq = 0 if self.dq_red else self.tile_m * self.head_dim * 4  # fp32 dQ partial, reduced into global by TMA
         return up(head) + kv + q_do + ds + dq
 
     def feasibility_error(self) -> str | None:
@@ -182,6 +187,8 @@ class BwdConfig:
         if self.dq_split_rows and self.tile_m != 64 * self.num_consumer_wgs:
             return (f"dq_split_rows gives each of the {self.num_consumer_wgs} consumer warpgroups 64 query rows of "
                     f"dQ: tile_m must be {64 * self.num_consumer_wgs}, got {self.tile_m}")
+        if self.dq_red and self.dq_warp:
+            return "dq_red adds the dQ partials from the consumer threads: there is no reduce for a dQ warp to issue"
         if self.smem_bytes() > SMEM_BYTES_SM90:
             return f"needs {self.smem_bytes()} bytes of shared memory, sm90 has {SMEM_BYTES_SM90}"
         if self.mask_bits and (self.tile_n != 128 or self.tile_m not in (64, 128) or self.mask_early):
@@ -232,9 +239,13 @@ def default_bwd_config(head_dim: int, deterministic: bool = False, mod_grads: bo
       not apply, and 128 rows with a soft-cap derivative were 0.93x.
     """
     if head_dim > MAX_UNSPLIT_HEAD_DIM:
-        # 64 x 64 steps and one Q/dO stage: K, V, Q, dO (64 KiB each at 256 columns), dS, P and the fp32 dQ partial
-        # (64 KiB) fill shared memory (FA3's and FA4's hdim-256 tile under a block mask).
-        return BwdConfig(head_dim=head_dim, tile_m=64, tile_n=64, num_stages=1, kv_tiles_first=not deterministic,
+        # 64 x 64 steps. K, V and a Q/dO stage take 32 KiB each at 256 columns and dS, P 32 KiB together, so the
+        # fp32 dQ slab (64 KiB) leaves room for one stage; adding the partials from registers (`dq_red`) leaves room
+        # for two: main kernel 1.35-1.47x faster at B4·S4k dense and causal
+        # (benchmarks/results/bwd_d256_dq_red_sweep_h200_2026-12-01.json). Deterministic mode needs the slab's
+        # ordered reduce, so one stage.
+        return BwdConfig(head_dim=head_dim, tile_m=64, tile_n=64, num_stages=1 if deterministic else 2,
+                         dq_red=not deterministic, dq_warp=deterministic, kv_tiles_first=not deterministic,
                          lpt_order=LPT_ORDER and not deterministic and q_block is not None)
     tile_m = 64
     if (head_dim == 64 and not mod_grads and mask_ops <= D64_MAX_MASK_OPS
@@ -257,15 +268,16 @@ def shares_block_mask_with_forward(head_dim: int, block_size: int = 128) -> bool
             and bwd.block_mask_error(block_size, block_size) is None)
 
 
-def candidate_bwd_configs(head_dim: int, deterministic: bool = False,
-                          mod_grads: bool = False) -> dict[str, BwdConfig]:
+def candidate_bwd_configs(head_dim: int, deterministic: bool = False, mod_grads: bool = False,
+                          q_block: int | None = None) -> dict[str, BwdConfig]:
     """Named configurations the GPU sweep (`tests/kernels/bwd_perf_sweep.py`) compares with the default of that mode:
     the other CTA order, LSE2/D from global memory, each other option flipped, and at D=64 the other Q step and dQ
     split. (The former `combined` candidate, dK after dQ with a third stage or 128-row steps, became the default or
-    `stages3` once dK after dQ was the default.) Options that do not fit
+    `stages3` once dK after dQ was the default.) `q_block`: the block mask's Q block size, None without one (the
+    default differs: `default_bwd_config`). Options that do not fit
     beside that default (a third Q/dO stage with 128-row tiles at D=64 overflows shared memory) are left out; the
     launcher runs `default`."""
-    base = default_bwd_config(head_dim, deterministic, mod_grads)
+    base = default_bwd_config(head_dim, deterministic, mod_grads, q_block)
     other_order = "heads_first" if base.kv_tiles_first else "kv_tiles_first"
     cands = {
         "default": base,
@@ -285,6 +297,11 @@ def candidate_bwd_configs(head_dim: int, deterministic: bool = False,
     if base.dq_swap_ab:  # (no block mask: 80 divides no mask block size, so no other Q-step question either)
         cands["tile_m64"] = replace(base, tile_m=64, dq_swap_ab=False)
         cands["tile_m64_swap"] = replace(base, tile_m=64)
+    if base.dq_red:  # the dQ partials through a shared-memory slab (one Q/dO stage less at D=256)
+        cands["dq_slab"] = replace(base, dq_red=False, dq_warp=True, num_stages=base.num_stages - 1)
+    elif not deterministic:  # straight from registers, and with the slab's shared memory spent on a third stage
+        cands["dq_red"] = replace(base, dq_red=True, dq_warp=False)
+        cands["dq_red_stages3"] = replace(base, dq_red=True, dq_warp=False, num_stages=3)
     if deterministic:  # `neither` is then the other order with global stats: not a new question
         del cands["neither"]
     else:  # block-sparse rows only (the launcher drops it without a block mask)

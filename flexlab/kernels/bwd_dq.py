@@ -8,6 +8,8 @@ part, and signals (release) once its own has landed, so the fp32 sums are added 
 Who issues the reduce: with `BwdConfig.dq_warp` (the default, 1.01-1.29x faster main kernel), one warp of the
 producer warpgroup that walks the same schedule (`write_dq`): a consumer warpgroup only writes its slab and arrives on
 DQ_FULL, and waits on DQ_EMPTY before writing the next one. Without it, the first warp of each consumer warpgroup.
+With `BwdConfig.dq_red` (head dim 256) there is no slab: every consumer thread adds its partial into `dQaccum` with
+16-byte vector reductions, in the same fragment order.
 
 The partial travels in fragment order (`fragment_order`): element i of consumer thread t's accumulator sits at
 (i // 4) * 512 + 4 t + i % 4 of its warpgroup's slab, in shared memory and in `dQaccum` alike, and the postprocess
@@ -23,8 +25,10 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Int64
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import OperandMajorMode
+from cutlass.cutlass_dsl import dsl_user_op
 
 from .block_sparse import KvSchedule
 from .layout import tma_tiles
@@ -80,6 +84,15 @@ def fragment_order(slab: cute.Tensor, thread: Int32, frag_shape) -> cute.Tensor:
     return cute.composition(threads[None, None, thread], cute.make_layout(frag_shape))
 
 
+@dsl_user_op
+def red_add_f32x4(address: Int64, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None):
+    """Four fp32 adds into 16 aligned bytes of global memory in one vector reduction (sm_90, no return value)."""
+    llvm.inline_asm(None, [Int64(address).ir_value(loc=loc, ip=ip)] + [Float32(x).ir_value(loc=loc, ip=ip)
+                                                                      for x in (a, b, c, d)],
+                    "red.global.add.v4.f32 [$0], {$1, $2, $3, $4};", "l,f,f,f,f", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
 def dq_issuer():
     """True in the first warp of each consumer warpgroup, which issues that warpgroup's dQ reduce.
 
@@ -102,6 +115,9 @@ class BwdDqReduce:
         The caller has made sure the previous reduce finished reading the slab (`wait_dq_slab_free` before a barrier
         the whole warpgroup passes). With a dQ warp the slab comes back through DQ_EMPTY instead, and the reduce is
         that warp's job."""
+        if cutlass.const_expr(self.dq_red):
+            self.red_dq(acc_dQ, tdQg, m_block, wg)
+            return
         if cutlass.const_expr(self.dq_warp):
             cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_EMPTY_WG1) + wg, number_of_threads=DQ_HANDOFF_THREADS)
             cute.autovec_copy(acc_dQ, tdQsdQ)
@@ -113,6 +129,16 @@ class BwdDqReduce:
         cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_READY_WG1) + wg, number_of_threads=128)
         if dq_issuer():
             self.issue_dq_reduce(tdQs, tdQg, tma_dq, m_block, order, batch, head, wg)
+
+    @cute.jit
+    def red_dq(self, acc_dQ, gdQ, m_block: Int32, wg: Int32):
+        """`BwdConfig.dq_red`: this thread's partial added straight into its slab of `dQaccum` (`gdQ` = `dq_slabs`),
+        four fragment-order elements per vector reduction, at the addresses the slab path would have reached."""
+        slab = gdQ[None, None, self.dq_tile_index(m_block, wg)]
+        address = slab.iterator.toint() + Int64((cute.arch.thread_idx()[0] % 128) * 16)
+        for k in cutlass.range_constexpr(cute.size(acc_dQ) // 4):
+            red_add_f32x4(address + k * 512 * 4, acc_dQ[4 * k], acc_dQ[4 * k + 1], acc_dQ[4 * k + 2],
+                          acc_dQ[4 * k + 3])
 
     @cute.jit
     def issue_dq_reduce(self, tdQs, tdQg, tma_dq, m_block: Int32, order, batch: Int32, head: Int32, wg: Int32):
@@ -149,7 +175,7 @@ class BwdDqReduce:
     def wait_dq_slab_free(self):
         """The previous dQ reduce of this warpgroup has finished reading its shared-memory slab (issuing warp only;
         a later barrier passes that on to the whole warpgroup). Nothing to do with a dQ warp (DQ_EMPTY says it)."""
-        if cutlass.const_expr(not self.dq_warp):
+        if cutlass.const_expr(not self.dq_warp and not self.dq_red):
             if dq_issuer():
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 

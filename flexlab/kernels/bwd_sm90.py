@@ -127,6 +127,9 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
                      and not self.split)
         self.early_dv = cfg.early_dv and not self.lean  # (the lean plan issues dV early in its own way)
         self.dq_warp = cfg.dq_warp
+        self.dq_red = cfg.dq_red
+        if deterministic and self.dq_red:
+            raise ValueError("dq_red adds dQ partials in no fixed order; deterministic mode needs the ordered reduce")
 
     def stats_bytes(self) -> int:
         """Bytes of LSE2 and D rows that land with each Q/dO stage (0 unless stats_in_smem)."""
@@ -143,6 +146,8 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         for name, dtype, layout in (("sK", self.dtype, sKV_layout), ("sV", self.dtype, sKV_layout),
                                     ("sQ", self.dtype, sQ_layout), ("sdO", self.dtype, sQ_layout),
                                     ("sdS", self.dtype, sdS_layout), ("sdQ", Float32, sdQ_layout)):
+            if name == "sdQ" and self.dq_red:  # the partials go from registers to global memory
+                continue
             fields[name] = Align[MemRange[dtype, cute.cosize(layout)], 1024]
         # Built from a dict (not a class body) so the field list can depend on the configuration.
         Storage = cute.struct(type("Storage", (), {"__annotations__": fields}))
@@ -209,6 +214,8 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
             # tile_m * 4 bytes (the launcher pads rows to whole tiles) and torch allocations are 256-byte aligned.
             mLSE2, mDpsum = [cute.make_tensor(cute.make_ptr(Float32, t.iterator.toint(), cute.AddressSpace.gmem,
                                                             assumed_align=16), t.layout) for t in (mLSE2, mDpsum)]
+        if cutlass.const_expr(self.dq_red):  # consumer threads reduce into the plain accumulator, not through TMA
+            mdQ_t = mdQlines
         Storage = self.shared_storage(sKV_layout, sQ_layout, sdS_layout, sdQ_layout)
 
         # P = exp2(x * c - LSE2): x is the raw score (c folds in the softmax scale) or the modded, scaled score.
@@ -340,13 +347,17 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         st_ds = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=True, num_matrices=4), self.dtype)
         thr_st_ds = cute.make_tiled_copy_C(st_ds, tiled_mma_sdp).get_slice(tidx)
         tdSsdS = thr_st_ds.partition_D(transpose_smem(sdS))
-        sdQ = storage.sdQ.get_tensor(sdQ_layout)
-        sdQ_mine = sdQ[None, None, wg]
+        sdQ = sdQ_mine = None
+        if cutlass.const_expr(not self.dq_red):
+            sdQ = storage.sdQ.get_tensor(sdQ_layout)
+            sdQ_mine = sdQ[None, None, wg]
 
         def dq_store_view():
             """This thread's place in its slab, rebuilt at each step from the thread index (3 integer instructions)
             rather than kept live through the loop: of the 7 gallery backward kernels that spill, 5 spill 4 bytes
-            less this way and 2 spill 4-8 bytes more."""
+            less this way and 2 spill 4-8 bytes more. (None with `dq_red`: no slab.)"""
+            if cutlass.const_expr(self.dq_red):
+                return None
             t = opaque_i32(cute.arch.thread_idx()[0]) - 128
             return fragment_order(sdQ[None, None, t // 128], t % 128, dq_shape)
         sLSE2 = sDpsum = None
@@ -376,7 +387,10 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         for g in cutlass.range(qhead_per_kvhead, unroll=1):
             head = head_kv * qhead_per_kvhead + g
             sched = KvSchedule(sparse, batch, head, n_block, num_m_blocks)
-            tdQs, tdQg = tma_tiles(tma_dq, sdQ_mine, self.dq_slabs(mdQ, head, batch))
+            if cutlass.const_expr(self.dq_red):
+                tdQs, tdQg = None, self.dq_slabs(mdQ, head, batch)
+            else:
+                tdQs, tdQg = tma_tiles(tma_dq, sdQ_mine, self.dq_slabs(mdQ, head, batch))
             order = (mdQsem, mRank, sched.b, sched.h, n_block)
             mods = (batch, head, seqlen_q - 1, seqlen_k - 1, softmax_scale, aux_tensors, aux_scalars, aux_grads, order)
             for i in cutlass.range(sched.total, unroll=1):
@@ -387,8 +401,9 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
                 ds_index = 1 - ds_index
         if cutlass.const_expr(self.dq_warp):  # the dQ warp's last "slab free" (it also arrived once up front)
             cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_EMPTY_WG1) + wg, number_of_threads=DQ_HANDOFF_THREADS)
-        elif dq_issuer():
-            cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last dQ reduce has read shared memory
+        elif cutlass.const_expr(not self.dq_red):
+            if dq_issuer():
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last dQ reduce has read shared memory
         if cutlass.const_expr(self.grad_runs):
             flush_aux_grads(aux_grads)
         self.epilogue(acc_dK, acc_dV, softmax_scale, mdK, mdV, storage, sKV_layout, tma_dk, tma_dv,

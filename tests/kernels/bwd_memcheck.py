@@ -46,8 +46,9 @@ def main(argv=None) -> int:
                     help="a name from bwd_config.candidate_bwd_configs (run for every head dim and both modes), to "
                          "tell which option a sanitizer report comes with")
     ap.add_argument("--no-gallery", action="store_true", help="only the dense, GQA and causal-window cases")
-    ap.add_argument("--variants", default="", help="comma-separated gallery variants only (default: all), each "
-                    "at D=64 and 128; with --no-basic, nothing else")
+    ap.add_argument("--variants", default="", help="comma-separated gallery variants only (default: all at D=128), "
+                    "each at every --head-dims; with --no-basic, nothing else")
+    ap.add_argument("--head-dims", default="64,128,256", help="head dims of the basic and --variants cases")
     ap.add_argument("--no-basic", action="store_true", help="skip the dense, GQA and causal-window cases")
     args = ap.parse_args(argv)
     if args.config != "default":
@@ -55,7 +56,8 @@ def main(argv=None) -> int:
         from flexlab.kernels.bwd_config import candidate_bwd_configs
         bwd_launch._config = lambda head_dim, deterministic, *rest: candidate_bwd_configs(head_dim,
                                                                                          deterministic)[args.config]
-    for D in (() if args.no_basic else (64, 128)):
+    head_dims = tuple(int(d) for d in args.head_dims.split(","))
+    for D in (() if args.no_basic else head_dims):
         _run(200, 333, D, 2)
         _run(333, 200, D, 4, with_lse=True)
         _run(1, 1, D, 1)
@@ -72,7 +74,7 @@ def main(argv=None) -> int:
         S = next((s for s in (200, 256, 333) if variant.accepts_lengths(s, s)), None)
         if S is None or (wanted and name not in wanted):
             continue
-        for D in ((64, 128) if wanted else (128,)):
+        for D in (head_dims if wanted else (128,)):
             mods = variant.build(1, 4, S, S, device="cuda")
             trainable = [mods.tensors[t].requires_grad_(True) for t in variant.trainable]
             bm = flexlab.create_block_mask(mods.mask_mod, 1, 4, S, S, device="cuda") if mods.mask_mod else None

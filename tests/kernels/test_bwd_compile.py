@@ -66,7 +66,7 @@ def _main_key(D, block_sparse=False, g=None, deterministic=False):
     return main_key(g, aux, slots, "bfloat16", cfg, block_sparse, deterministic)
 
 
-def _check_main(ptx, report, D, tile_m=64):
+def _check_main(ptx, report, D, tile_m=64, dq_red=False):
     _no_spills(report)
     assert "ld.local" not in ptx and "st.local" not in ptx
     # D=256 splits the head dim of dK/dV and the query columns of S^T/dP^T over the two consumer warpgroups
@@ -74,7 +74,10 @@ def _check_main(ptx, report, D, tile_m=64):
     n_scores = tile_m // 2 if D == 256 else tile_m
     assert f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16" in ptx  # dK/dV GEMMs, N = head dim
     assert f"wgmma.mma_async.sync.aligned.m64n{n_scores}k16.f32.bf16.bf16" in ptx  # S^T and dP^T, N = tile_m
-    assert "cp.reduce.async.bulk.tensor" in ptx and ".add." in ptx  # dQ partials reduced by TMA
+    if dq_red:  # dQ partials added by the consumer threads, 16 bytes per reduction, no TMA reduce
+        assert "red.global.add.v4.f32" in ptx and "cp.reduce.async.bulk.tensor" not in ptx
+    else:
+        assert "cp.reduce.async.bulk.tensor" in ptx and ".add." in ptx  # dQ partials reduced by TMA
     assert "cp.async.bulk.tensor.4d.shared::cta.global" in ptx  # TMA loads
     assert "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx  # dS^T written transposed
     assert "setmaxnreg.inc" in ptx and "setmaxnreg.dec" in ptx
@@ -85,7 +88,7 @@ def test_main_kernel_compiles_without_spills(D, block_sparse):
     from flexlab.kernels.bwd_launch import compile_main
     key = _main_key(D, block_sparse)
     ptx, report = _assemble(compile_main(key, None, options=KEEP_PTX))
-    _check_main(ptx, report, D, key.config.tile_m)
+    _check_main(ptx, report, D, key.config.tile_m, key.config.dq_red)
 
 
 @pytest.mark.parametrize("D,block_sparse", [(128, False), (64, True), (256, True)])
@@ -94,7 +97,7 @@ def test_deterministic_kernel_orders_dq_reductions(D, block_sparse):
     from flexlab.kernels.bwd_launch import compile_main
     key = _main_key(D, block_sparse, deterministic=True)
     ptx, report = _assemble(compile_main(key, None, options=KEEP_PTX))
-    _check_main(ptx, report, D, key.config.tile_m)
+    _check_main(ptx, report, D, key.config.tile_m, key.config.dq_red)
     assert "ld.acquire.gpu.global.b32" in ptx
     assert "red.release.gpu.global.add.s32" in ptx
     assert re.search(r"cp\.async\.bulk\.wait_group\s+0", ptx), "the reduce must have landed before the release"
@@ -193,7 +196,7 @@ def test_head_dim_256_splits_dk_dv_over_warpgroups():
     g = _learnable_bias_mods()
     key = _main_key(256, True, g)
     ptx, report = _assemble(compile_main(key, g.module(), options=KEEP_PTX))
-    _check_main(ptx, report, 256, key.config.tile_m)
+    _check_main(ptx, report, 256, key.config.tile_m, dq_red=True)
     assert "atom.global.add.f32" in ptx
     # two transposed stmatrix stores per step (P^T and dS^T), and no GEMM takes a register A operand
     assert not re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.bf16\.bf16\s+\{[^}]*\},\s*\{", ptx)

@@ -18,6 +18,8 @@ needs_ptxas = pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs pt
 
 
 def test_default_options_and_candidates_fit():
+    from dataclasses import replace
+
     from flexlab.kernels.bwd_config import BwdConfig, candidate_bwd_configs, default_bwd_config
     # without a block mask D=128 steps 80 rows with dQ computed transposed, filling shared memory
     dense = default_bwd_config(128)
@@ -44,6 +46,18 @@ def test_default_options_and_candidates_fit():
             if c.tile_m % 64 == 0:  # one BlockMask at torch's default size serves them
                 assert c.block_mask_error(128, 128) is None, name
     assert "tile_m must be 128" in BwdConfig(head_dim=64, dq_split_rows=True).feasibility_error()
+    # D=256: two warpgroups share 64 key rows; the dQ partials go out by vector reductions, which leaves shared
+    # memory for two Q/dO stages; deterministic mode keeps the ordered slab and one stage
+    d256 = default_bwd_config(256)
+    assert d256.split_head_dim and (d256.tile_m, d256.tile_n, d256.num_stages) == (64, 64, 2)
+    assert d256.dq_red and not d256.dq_warp and d256.feasibility_error() is None
+    assert d256.block_mask_error(128, 128) is None
+    det256 = default_bwd_config(256, deterministic=True)
+    assert not det256.dq_red and det256.dq_warp and det256.num_stages == 1 and det256.feasibility_error() is None
+    assert "shared memory" in replace(det256, num_stages=2).feasibility_error()
+    assert "dq_red" in replace(d256, dq_warp=True).feasibility_error()
+    assert "split" in replace(d256, tile_n=128).feasibility_error()
+    assert set(candidate_bwd_configs(256)) >= {"default", "dq_slab"}
     # The struct's size: 1 KiB of mbarriers (2 KiB with the LSE2/D rows) then six 32 KiB tiles at D=128.
     assert default_bwd_config(128, q_block=128).smem_bytes() == 2048 + 6 * 32768
     assert BwdConfig(head_dim=128, stats_in_smem=False).smem_bytes() == 1024 + 6 * 32768
@@ -201,9 +215,10 @@ def test_sweep_lists_every_candidate_and_reports_a_hang(tmp_path):
     for name, D, _, _, kind in ROWS + SCORE_MOD_ROWS:
         mine = [c for c in cases if c.startswith(name + "/") and not c.endswith("/det")]
         mod_grads = kind == "softcap"  # its derivative: the candidates around the 64-row default at D=64
-        # (rows without a block mask leave out the CTA order of its tiles)
-        expected = set(candidate_bwd_configs(D, mod_grads=mod_grads)) - ({"lpt_order"} if kind in ("dense", "softcap")
-                                                                         else set())
+        # (rows without a block mask leave out the CTA order of its tiles; masked rows vary the masked default)
+        unmasked = kind in ("dense", "softcap")
+        expected = set(candidate_bwd_configs(D, mod_grads=mod_grads, q_block=None if unmasked else 128))
+        expected -= {"lpt_order"} if unmasked else set()
         assert mine[0] == f"{name}/default" and {c.split("/")[1] for c in mine} == expected
     from bwd_perf_sweep import DETERMINISTIC_ROWS, DETERMINISTIC_VARIANTS
     det_cases = [c for c in cases if c.endswith("/det")]
