@@ -140,8 +140,8 @@ def test_alibi_causal():
 
 
 @needs_hopper
-@pytest.mark.parametrize("Sq,Skv", [(129, 129), (1000, 1000), (200, 333)])
-def test_head_dim_256(Sq, Skv):
+@pytest.mark.parametrize("Sq,Skv", [(129, 129), (1000, 1000), (200, 333), (1, 1), (81, 4096), (4096, 160)])
+def test_head_dim_256(Sq, Skv):  # (dense: 80-key tiles, so 160 is two whole tiles and 4096 ends in a partial one)
     q, k, v = random_qkv(1, 4, Sq, Skv, 256, torch.bfloat16, "cuda", Hkv=2)
     out, lse = _run(q, k, v)
     _check(out, lse, q, k, v)
