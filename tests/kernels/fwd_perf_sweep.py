@@ -61,9 +61,11 @@ ABLATION_ORDER = ("softmax", "exp2", "pv", "overlap", "store", "kv_loads", "mask
 # ------------------------------------------------------------------------------------------------ rows and variants
 def extra_rows():
     """Rows outside the benchmark's forward set, picked by name only (`--rows "D64"`): the D=64 document forward at
-    three lengths, where the wide-tile bound for stored mask bits is to be placed (`D64_BITS_TILE192_MIN_MEAN_KV_BLOCKS`)."""
+    three lengths, where the wide-tile bound for stored mask bits is to be placed (`D64_BITS_TILE192_MIN_MEAN_KV_BLOCKS`);
+    the D=256 dense and causal rows of the `d256` benchmark set (`--rows "D256"`)."""
     from flexlab.bench.rows import Row
-    return [Row("document", 4, 4096, D=64), Row("document", 2, 8192, D=64), Row("document", 1, 16384, D=64)]
+    return [Row("document", 4, 4096, D=64), Row("document", 2, 8192, D=64), Row("document", 1, 16384, D=64),
+            Row("dense", 4, 4096, D=256), Row("causal", 4, 4096, D=256)]
 
 
 def sweep_rows(which: str):
