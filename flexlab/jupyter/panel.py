@@ -103,6 +103,13 @@ def timing_figure(result: RunResult):
     return fig
 
 
+def _report_head_dim(head_dim: int) -> int:
+    """The head dim the compile report builds the forward kernel for: the experiment's own where the kernel has it,
+    else 128 (the report then describes the nearest kernel there is)."""
+    from ..kernels.config import SUPPORTED_HEAD_DIMS
+    return head_dim if head_dim in SUPPORTED_HEAD_DIMS else 128
+
+
 class ResultPanel:
     """Everything one run shows. Build pieces lazily: a 128k mask plot or a compile report costs time."""
 
@@ -148,8 +155,7 @@ class ResultPanel:
             dtype = self.result.spec.dtype
             kernel_dtype = "float16" if dtype == "fp16" else "bfloat16"
             return source_view(mods.score_mod, mods.mask_mod, user=user, compile_report=self.compile_report,
-                               dtype=kernel_dtype, head_dim=self.result.spec.D if self.result.spec.D in (64, 128)
-                               else 128)
+                               dtype=kernel_dtype, head_dim=_report_head_dim(self.result.spec.D))
         return self._get("code", build)
 
     def _get(self, key, build):
@@ -224,7 +230,7 @@ class ResultPanel:
         try:
             view.report = forward_kernel_report(mods.score_mod, mods.mask_mod,
                                                 dtype="float16" if spec.dtype == "fp16" else "bfloat16",
-                                                head_dim=spec.D if spec.D in (64, 128) else 128)
+                                                head_dim=_report_head_dim(spec.D))
         except Exception as err:                                   # noqa: BLE001 - shown in the view
             view.error = f"compile report failed: {type(err).__name__}: {err}"
         return view.report

@@ -73,6 +73,13 @@ def add_aux_grad(dst, coord, value: Float32):
             atomic_add_grad(dst, cute.crd2idx(coord, dst.layout), value)
 
 
+def accumulates_through_add_aux_grad(module) -> bool:
+    """Whether a generated-mods module adds its captured-tensor gradients through `add_aux_grad` (what this code
+    generator emits), the one test both the per-thread runs and deterministic mode's fixed point rely on: code that
+    indexes the gradient buffers itself gets neither."""
+    return getattr(module, "add_aux_grad", None) is add_aux_grad
+
+
 @cute.jit
 def flush_aux_grads(runs: tuple):
     """Send every open run (all lanes of the warp together): one shuffle-summed atomic where the warp's lanes hold

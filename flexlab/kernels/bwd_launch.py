@@ -184,6 +184,7 @@ def compile_postprocess(dtype: str, head_dim: int, arch: str = "sm_90a", options
 def compile_main(key: BwdKey, module=None, options: str = ""):
     """`module` is the generated CuTeDSL module (score_mod, mask_mod, score_mod_bwd, score_mod_aux_grad)."""
     from ..runtime.compile import dsl_compile
+    from .bwd_aux_grad import accumulates_through_add_aux_grad
     from .bwd_sm90 import FlexBwdSm90, fake_arguments
     require_tvm_ffi()
     dt = _cutlass_dtype(key.dtype)
@@ -192,7 +193,7 @@ def compile_main(key: BwdKey, module=None, options: str = ""):
     kernel = FlexBwdSm90(key.config, dt, score_mod, score_mod_bwd,
                          module.score_mod_aux_grad if key.has_aux_grad else None,
                          module.mask_mod if key.has_mask_mod else None, has_aux_tensors=bool(key.aux_tensor_specs),
-                         deterministic=key.deterministic, grad_runs=hasattr(module, "add_aux_grad"),
+                         deterministic=key.deterministic, grad_runs=accumulates_through_add_aux_grad(module),
                          aux_grad_reads_score=key.aux_grad_reads_score)
     args = fake_arguments(key.config, dt, key.block_sparse, key.aux_tensor_specs, key.aux_scalar_kinds,
                           key.aux_grad_ranks, key.deterministic, key.fixed_point_aux_grads)
@@ -368,6 +369,11 @@ def main_key(g, kernel_aux, grad_slots, dtype_name: str, cfg: BwdConfig, sparse:
                   bool(g is None or not has_aux_grad or g.aux_grad_reads_score))
 
 
+def _accumulates_through_helper(g) -> bool:
+    from .bwd_aux_grad import accumulates_through_add_aux_grad
+    return accumulates_through_add_aux_grad(g.module())
+
+
 def _kernels(g, grad_slots, kernel_aux, dtype: torch.dtype, cfg: BwdConfig, sparse: bool, has_dlse: bool,
              deterministic: bool, arch: str) -> Kernels:
     """Compiled kernels for this call; one dict lookup once warm. Everything in the fast key's place is fixed by
@@ -379,7 +385,7 @@ def _kernels(g, grad_slots, kernel_aux, dtype: torch.dtype, cfg: BwdConfig, spar
     name, D = _DTYPES[dtype], cfg.head_dim
     key = main_key(g, kernel_aux, grad_slots, name, cfg, sparse, deterministic, arch)
     fixed_point = key.fixed_point_aux_grads
-    if fixed_point and "add_aux_grad" not in g.source:
+    if fixed_point and not _accumulates_through_helper(g):
         raise BackendUnavailableError(
             "deterministic=True with captured tensors that require grad needs generated code that accumulates through "
             "flexlab.kernels.bwd_aux_grad.add_aux_grad (this code generator emits plain fp32 atomics); use "

@@ -154,6 +154,20 @@ def test_deterministic_captured_grads_compile_to_integer_atomics():
         assert "vote.sync.all" in ptx and "shfl.sync.bfly" in ptx
 
 
+def test_one_test_says_whether_generated_code_adds_through_the_helper():
+    """The per-thread runs and deterministic mode's refusal ask the same question of the same module: whether its
+    captured-tensor gradients go through `add_aux_grad` (a look-alike of that name does not count)."""
+    import types
+
+    from flexlab.codegen import generate
+    from flexlab.kernels.bwd_aux_grad import accumulates_through_add_aux_grad
+    bias = torch.randn(4, requires_grad=True)
+    learnable = generate(lambda s, b, h, q, kv: s + bias[h], None, fastmath=True)
+    assert accumulates_through_add_aux_grad(learnable.module())
+    assert not accumulates_through_add_aux_grad(generate(lambda s, b, h, q, kv: s * 2.0, None).module())
+    assert not accumulates_through_add_aux_grad(types.SimpleNamespace(add_aux_grad=lambda *a: None))
+
+
 def test_fixed_point_sums_are_order_independent_and_convert_back():
     from flexlab.kernels.bwd_aux_grad import FIXED_POINT_BITS, from_fixed_point
     values = torch.randn(1000, dtype=torch.float64) * 3
