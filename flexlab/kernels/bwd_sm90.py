@@ -364,9 +364,9 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         if cutlass.const_expr(stats is not None):
             sLSE2, sDpsum = stats[2], stats[3]
         ops = StepOperands(tSrK=tSrK, tSrQ=tSrQ, tPrV=tPrV, tPrdO=tPrdO, tVrdOt=tVrdOt, tKrQt=tKrQt, tVrP=tVrP,
-                           tVsP=tVsP, tKsdS=tKsdS, tQrdS=tQrdS, tQrKt=tQrKt, s_shape=s_shape, dq_shape=dq_shape, coords=coords, st_ds=st_ds,
-                           thr_st_ds=thr_st_ds, tdSsdS=tdSsdS, dq_store_view=dq_store_view, sLSE2=sLSE2, sDpsum=sDpsum,
-                           stored=None)
+                           tVsP=tVsP, tKsdS=tKsdS, tQrdS=tQrdS, tQrKt=tQrKt, s_shape=s_shape, dq_shape=dq_shape,
+                           coords=coords, st_ds=st_ds, thr_st_ds=thr_st_ds, tdSsdS=tdSsdS,
+                           dq_store_view=dq_store_view, sLSE2=sLSE2, sDpsum=sDpsum, stored=None)
         if cutlass.const_expr(bits is not None):  # (bits, KV tile, this thread's first key row, its word = lane % 4)
             ops.stored = (bits, n_block, coords[0][1], coords[0][0] // 2)
         tight = self.stats_in_smem and (sparse is not None or self.tile_m > 64)

@@ -3,7 +3,9 @@
 S^T = K Q^T and dP^T = V dO^T on the tensor cores; P^T = exp2(score_mod(s) * c - LSE2[q]) with mask_mod on partial
 blocks and the key tail masked; dS^T = P^T * (dP^T - D[q]) (then the generated derivative of the score_mod, and the
 captured-tensor gradients); dV += P^T dO and dK += dS^T Q with P^T/dS^T as register operands; dS to shared memory,
-where both warpgroups' halves meet for this tile's dQ partial = dS K, handed to `bwd_dq`.
+where both warpgroups' halves meet for this tile's dQ partial = dS K, handed to `bwd_dq`. At head dim 256 (`split`)
+each warpgroup has half the step's query columns of S^T and dP^T, and P^T goes to shared memory beside dS^T: the dV
+and dK GEMMs, each warpgroup's half of the head dim, read both from there after the barrier that the dQ GEMM needs.
 
 Methods of `FlexBwdSm90` (a mixin): they read the kernel's static configuration from `self`.
 """
@@ -38,9 +40,9 @@ class StepOperands(SimpleNamespace):
     """The per-thread views one step works on, built once per CTA by `consume` and only read inside the loop:
     smem-descriptor fragments (tSrK, tSrQ, tPrV, tPrdO, tVrdOt, tKrQt, tQrdS, tQrKt), the register A fragment of P
     (tVrP) or, with head dims split over the warpgroups, the staged shared-memory A fragments of P^T and dS^T (tVsP,
-    tKsdS; None otherwise), the dS store (st_ds, thr_st_ds, and tdSsdS, or None and a `ds_store_view()` that rebuilds it), the
-    builder of the dQ slab view (dq_store_view), the accumulator shapes (s_shape, dq_shape), the (q, kv) coordinates
-    of the transposed score accumulator (coords), with stats_in_smem the per-stage LSE2/D rows in shared memory
+    tKsdS; None otherwise), the dS store (st_ds, thr_st_ds, and tdSsdS, or None and a `ds_store_view()` that rebuilds
+    it), the builder of the dQ slab view (dq_store_view), the accumulator shapes (s_shape, dq_shape), the (q, kv)
+    coordinates of the transposed score accumulator (coords), with stats_in_smem the per-stage LSE2/D rows in shared memory
     (sLSE2, sDpsum; None otherwise) and, with mask_bits, where this thread's stored mask bits are (stored: bits, KV
     tile, first key row, word; None otherwise)."""
 
