@@ -42,9 +42,9 @@ class StepOperands(SimpleNamespace):
     (tVrP) or, with head dims split over the warpgroups, the staged shared-memory A fragments of P^T and dS^T (tVsP,
     tKsdS; None otherwise), the dS store (st_ds, thr_st_ds, and tdSsdS, or None and a `ds_store_view()` that rebuilds
     it), the builder of the dQ slab view (dq_store_view), the accumulator shapes (s_shape, dq_shape), the (q, kv)
-    coordinates of the transposed score accumulator (coords), with stats_in_smem the per-stage LSE2/D rows in shared memory
-    (sLSE2, sDpsum; None otherwise) and, with mask_bits, where this thread's stored mask bits are (stored: bits, KV
-    tile, first key row, word; None otherwise)."""
+    coordinates of the transposed score accumulator (coords), with stats_in_smem the per-stage LSE2/D rows in shared
+    memory (sLSE2, sDpsum; None otherwise) and, with mask_bits, where this thread's stored mask bits are (stored: bits,
+    KV tile, first key row, word; None otherwise)."""
 
 
 class BwdStep:
