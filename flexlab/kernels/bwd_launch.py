@@ -369,11 +369,6 @@ def main_key(g, kernel_aux, grad_slots, dtype_name: str, cfg: BwdConfig, sparse:
                   bool(g is None or not has_aux_grad or g.aux_grad_reads_score))
 
 
-def _accumulates_through_helper(g) -> bool:
-    from .bwd_aux_grad import accumulates_through_add_aux_grad
-    return accumulates_through_add_aux_grad(g.module())
-
-
 def _kernels(g, grad_slots, kernel_aux, dtype: torch.dtype, cfg: BwdConfig, sparse: bool, has_dlse: bool,
              deterministic: bool, arch: str) -> Kernels:
     """Compiled kernels for this call; one dict lookup once warm. Everything in the fast key's place is fixed by
@@ -385,7 +380,8 @@ def _kernels(g, grad_slots, kernel_aux, dtype: torch.dtype, cfg: BwdConfig, spar
     name, D = _DTYPES[dtype], cfg.head_dim
     key = main_key(g, kernel_aux, grad_slots, name, cfg, sparse, deterministic, arch)
     fixed_point = key.fixed_point_aux_grads
-    if fixed_point and not _accumulates_through_helper(g):
+    from .bwd_aux_grad import accumulates_through_add_aux_grad  # (cutlass: loaded only once kernels are needed)
+    if fixed_point and not accumulates_through_add_aux_grad(g.module()):
         raise BackendUnavailableError(
             "deterministic=True with captured tensors that require grad needs generated code that accumulates through "
             "flexlab.kernels.bwd_aux_grad.add_aux_grad (this code generator emits plain fp32 atomics); use "

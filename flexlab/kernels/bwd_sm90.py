@@ -206,16 +206,17 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         tma_v, mV_t = cpasync.make_tiled_tma_atom(load_op, mV, sKV_layout, (tile_n, hd))
         tma_dk, mdK_t = cpasync.make_tiled_tma_atom(store_op, mdK, sKV_layout, (tile_n, hd))
         tma_dv, mdV_t = cpasync.make_tiled_tma_atom(store_op, mdV, sKV_layout, (tile_n, hd))
-        tma_dq, mdQ_t = cpasync.make_tiled_tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(), mdQlines,
-                                                    cute.select(sdQ_layout, mode=[0, 1]),
-                                                    (slab_elems // SLAB_LINE, SLAB_LINE))
+        if cutlass.const_expr(self.dq_red):  # consumer threads add into the plain accumulator: no TMA reduce
+            tma_dq, mdQ_t = None, mdQlines
+        else:
+            tma_dq, mdQ_t = cpasync.make_tiled_tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(), mdQlines,
+                                                        cute.select(sdQ_layout, mode=[0, 1]),
+                                                        (slab_elems // SLAB_LINE, SLAB_LINE))
         if cutlass.const_expr(self.stats_in_smem):
             # The producer's bulk copies of LSE2/D rows need 16-byte aligned sources. Row offsets are multiples of
             # tile_m * 4 bytes (the launcher pads rows to whole tiles) and torch allocations are 256-byte aligned.
             mLSE2, mDpsum = [cute.make_tensor(cute.make_ptr(Float32, t.iterator.toint(), cute.AddressSpace.gmem,
                                                             assumed_align=16), t.layout) for t in (mLSE2, mDpsum)]
-        if cutlass.const_expr(self.dq_red):  # consumer threads reduce into the plain accumulator, not through TMA
-            mdQ_t = mdQlines
         Storage = self.shared_storage(sKV_layout, sQ_layout, sdS_layout, sdQ_layout)
 
         # P = exp2(x * c - LSE2): x is the raw score (c folds in the softmax scale) or the modded, scaled score.
@@ -238,7 +239,7 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mdK: cute.Tensor,
                mdV: cute.Tensor, mdQ: cute.Tensor, mLSE2: cute.Tensor, mDpsum: cute.Tensor,
                tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_do: cute.CopyAtom,
-               tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom, tma_dq: cute.CopyAtom, softmax_scale: Float32,
+               tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom, tma_dq, softmax_scale: Float32,
                log2_scale: Float32, qhead_per_kvhead: Int32, sparse, aux_tensors, aux_scalars, aux_grads, mdQsem,
                mRank, mTileOrder,
                sKV_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
@@ -251,7 +252,8 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
             sparse = (sparse[0], sparse[1], sparse[2], sparse[3])
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv, tma_dq):
-                cpasync.prefetch_descriptor(atom)
+                if cutlass.const_expr(atom is not None):  # (no dQ reduce atom with `dq_red`)
+                    cpasync.prefetch_descriptor(atom)
         storage = SmemAllocator().allocate(Storage)
         consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_threads // 32)
         tma_thread = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
@@ -323,10 +325,9 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         tPrdO = wg_sdp.make_fragment_B(wg_sdp.partition_B(sdO))
         tVrdOt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sdO)))
         tKrQt = wg_dkv.make_fragment_B(wg_dkv.partition_B(transpose_smem(sQ)))
-        tVrP = tVsP = tKsdS = None
-        if cutlass.const_expr(self.split):  # P^T and dS^T from shared memory, (key rows, query rows, stage)
-            tVsP = wg_dkv.make_fragment_A(wg_dkv.partition_A(transpose_smem(sdS)))
-            tKsdS = tVsP  # the same staged buffer: dS^T at stages 0-1, P^T at 2-3
+        tVrP = tKVsA = None
+        if cutlass.const_expr(self.split):  # dS^T (stages 0-1) and P^T (2-3) from shared memory: (keys, queries, stage)
+            tKVsA = wg_dkv.make_fragment_A(wg_dkv.partition_A(transpose_smem(sdS)))
         else:
             tVrP = wg_dkv.make_fragment_A(wg_dkv.partition_shape_A((self.tile_n, self.tile_m)))
         if cutlass.const_expr(self.dq_swap_ab):  # dQ^T = K^T dS^T
@@ -364,7 +365,7 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         if cutlass.const_expr(stats is not None):
             sLSE2, sDpsum = stats[2], stats[3]
         ops = StepOperands(tSrK=tSrK, tSrQ=tSrQ, tPrV=tPrV, tPrdO=tPrdO, tVrdOt=tVrdOt, tKrQt=tKrQt, tVrP=tVrP,
-                           tVsP=tVsP, tKsdS=tKsdS, tQrdS=tQrdS, tQrKt=tQrKt, s_shape=s_shape, dq_shape=dq_shape,
+                           tKVsA=tKVsA, tQrdS=tQrdS, tQrKt=tQrKt, s_shape=s_shape, dq_shape=dq_shape,
                            coords=coords, st_ds=st_ds, thr_st_ds=thr_st_ds, tdSsdS=tdSsdS,
                            dq_store_view=dq_store_view, sLSE2=sLSE2, sDpsum=sDpsum, stored=None)
         if cutlass.const_expr(bits is not None):  # (bits, KV tile, this thread's first key row, its word = lane % 4)

@@ -39,12 +39,12 @@ def opaque_i32(x: Int32, *, loc=None, ip=None) -> Int32:
 class StepOperands(SimpleNamespace):
     """The per-thread views one step works on, built once per CTA by `consume` and only read inside the loop:
     smem-descriptor fragments (tSrK, tSrQ, tPrV, tPrdO, tVrdOt, tKrQt, tQrdS, tQrKt), the register A fragment of P
-    (tVrP) or, with head dims split over the warpgroups, the staged shared-memory A fragments of P^T and dS^T (tVsP,
-    tKsdS; None otherwise), the dS store (st_ds, thr_st_ds, and tdSsdS, or None and a `ds_store_view()` that rebuilds
-    it), the builder of the dQ slab view (dq_store_view), the accumulator shapes (s_shape, dq_shape), the (q, kv)
-    coordinates of the transposed score accumulator (coords), with stats_in_smem the per-stage LSE2/D rows in shared
-    memory (sLSE2, sDpsum; None otherwise) and, with mask_bits, where this thread's stored mask bits are (stored: bits,
-    KV tile, first key row, word; None otherwise)."""
+    (tVrP) or, with head dims split over the warpgroups, the staged shared-memory A fragment of the dK and dV GEMMs
+    (tKVsA: dS^T at stages 0-1, P^T at 2-3; None otherwise), the dS store (st_ds, thr_st_ds, and tdSsdS, or None and a
+    `ds_store_view()` that rebuilds it), the builder of the dQ slab view (dq_store_view), the accumulator shapes
+    (s_shape, dq_shape), the (q, kv) coordinates of the transposed score accumulator (coords), with stats_in_smem the
+    per-stage LSE2/D rows in shared memory (sLSE2, sDpsum; None otherwise) and, with mask_bits, where this thread's
+    stored mask bits are (stored: bits, KV tile, first key row, word; None otherwise)."""
 
 
 class BwdStep:
@@ -174,9 +174,9 @@ class BwdStep:
             # dQ, then dV and dK for this warpgroup's head-dim columns from both warpgroups' P^T and dS^T; the dQ
             # partial leaves while those two are on the tensor cores
             wgmma(tiled_mma_dq, acc_dQ, *self.dq_operands(ops, ds_stage), True, -1)
-            wgmma(tiled_mma_dkv, acc_dV, ops.tVsP[None, None, None, 2 + ds_stage], ops.tVrdOt[None, None, None, stage],
+            wgmma(tiled_mma_dkv, acc_dV, ops.tKVsA[None, None, None, 2 + ds_stage], ops.tVrdOt[None, None, None, stage],
                   False, -1)
-            wgmma(tiled_mma_dkv, acc_dK, ops.tKsdS[None, None, None, ds_stage], ops.tKrQt[None, None, None, stage],
+            wgmma(tiled_mma_dkv, acc_dK, ops.tKVsA[None, None, None, ds_stage], ops.tKrQt[None, None, None, stage],
                   False, 2)
             self.reduce_dq(acc_dQ, ops.dq_store_view(), tdQs, tdQg, tma_dq, m_block, order, batch, head, wg)
             warpgroup.wait_group(0)
