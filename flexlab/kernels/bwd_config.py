@@ -44,8 +44,9 @@ call (128 at D=64 where it pays, see `D64_TILE_M`):
                   kernel 1.01-1.20x faster on all 12 swept rows (D=64 and 128; dense, causal, sliding window,
                   documents, soft-cap) and 1.03-1.29x in deterministic mode (bwd_dq_warp_h200_2026-11-30.json,
                   bwd_dq_warp_rows_h200_2026-11-30.json); gallery backward spills 1148 -> 584 bytes;
-  lpt_order       block-sparse, outside deterministic mode: the CTAs run KV tiles in an order the launcher hands
-                  over (`bwd_launch.QLists.tile_order`): the (batch, KV head) pairs are cut into a few even groups
+  lpt_order       block-sparse, outside deterministic mode (in it: the turn order, see `default_bwd_config`): the
+                  CTAs run KV tiles in an order the launcher hands over (`bwd_launch.QLists.tile_order`): the
+                  (batch, KV head) pairs are cut into a few even groups
                   whose Q, dO and dQ sums fit in L2 together (`LPT_GROUP_L2_BYTES`), and inside a group the tiles
                   that visit the most Q tiles go first. Launched head by head, the longest tiles of the last heads
                   (a causal mask's first KV tile, a long document's) started last and ran alone at the end. H200,
@@ -86,6 +87,10 @@ DENSE_TILE_M = 80
 LPT_ORDER = True
 # `lpt_order`: bytes of Q, dO and the fp32 dQ sums one group of (batch, KV head) pairs may hold in L2 together.
 LPT_GROUP_L2_BYTES = 48 << 20
+# Deterministic kernels run their KV tiles in the launcher's turn order (`lpt_order` there,
+# `bwd_launch.turn_tile_order`): the heads of an L2 group take turns, and under a block mask higher KV tiles add
+# their dQ partials first.
+TURN_ORDER = True
 
 
 @dataclass(frozen=True)
@@ -102,7 +107,7 @@ class BwdConfig:
     mask_early: bool = False
     early_dv: bool = False
     dq_warp: bool = True
-    lpt_order: bool = False  # block-sparse only, never with deterministic mode (see the module docstring)
+    lpt_order: bool = False  # block-sparse, or (as the turn order) deterministic mode: see the module docstring
     # The waits on each Q/dO stage (the consumers' for a full one, the producer's for an empty one) try once without
     # a suspend-time hint before the wait loop that lets warps sleep (`FwdConfig.try_wait_first`). Timed in turns:
     # 0.95-1.02x of the default's main kernel (bwd_step_candidates_h200_2026-12-01.json); off.
@@ -112,8 +117,8 @@ class BwdConfig:
     dq_swap_ab: bool = False
     # Each consumer thread adds its dQ partial straight into the fp32 accumulator with 16-byte vector reductions
     # (red.global.add.v4.f32, in the slab's fragment order), instead of through a shared-memory slab and a TMA
-    # reduce-add: frees the slab (64 KiB at D=256, room for a second Q/dO stage) and needs no dQ warp. No order
-    # among the adds, so never in deterministic mode.
+    # reduce-add: frees the slab (64 KiB at D=256, room for a second Q/dO stage) and needs no dQ warp. In
+    # deterministic mode each consumer warp waits for its turn on the Q tile and releases it after its adds.
     dq_red: bool = False
     # Block-sparse only: partial blocks read their mask from bits stored by the launcher (`runtime.mask_bits`, rows =
     # keys, 64 or 128 query columns) instead of evaluating mask_mod; chosen where the forward's are
@@ -222,15 +227,20 @@ def default_bwd_config(head_dim: int, deterministic: bool = False, mod_grads: bo
                        q_block: int | None = None, mask_ops: int = 0) -> BwdConfig:
     """The configuration the launcher runs: the dataclass defaults (see the module docstring for why), except
 
-    - deterministic mode keeps the heads-first CTA order. There each KV tile waits for the lower KV tiles of its head
-      to add their dQ partials first, and running a head's KV tiles side by side turns that into a chain: 4-12x
-      flexlab's default time on the sliding-window and document rows (benchmarks/results/bwd_all_h200_2026-11-30b.json),
-      against 1.3-2.3x with heads first (bwd_det_h200_2026-11-30.json);
+    - deterministic mode runs the launcher's turn order (`lpt_order` with `TURN_ORDER`, `bwd_launch.turn_tile_order`).
+      There each KV tile waits for the tiles before it in turn to add their dQ partials to a Q tile first. Run side
+      by side, a head's tiles formed a chain (4-12x flexlab's default time on the sliding-window and document rows,
+      benchmarks/results/bwd_all_h200_2026-11-30b.json); one or two tiles of every head at a time sent the dQ sums
+      of all heads through DRAM (D=256 dense: 2.3x the default). The turn order lets the heads of an L2 group take
+      turns and, under a block mask, gives higher KV tiles the earlier turns, walked in Q order: main kernel
+      1.17-1.32x the default's time at D=128 and D=64 against 1.20-1.78x before
+      (bwd_det_pipelined_h200_2026-12-01.json, bwd_det_turns_q_order_h200_2026-12-01.json);
     - at head_dim 64, 128-row Q steps (`D64_TILE_M`) unless the kernel works on every score for a score_mod
       derivative or captured-tensor gradients (`mod_grads`) or evaluates a mask_mod of more than
       `D64_MAX_MASK_OPS` operations (`mask_ops`), and when the block mask's Q block (`q_block`, None without a mask)
       is a multiple of 128;
-    - with a block mask outside deterministic mode, `lpt_order` (`LPT_ORDER`);
+    - with a block mask outside deterministic mode, `lpt_order` (`LPT_ORDER`), and in deterministic mode its turn
+      order (`TURN_ORDER`);
     - at head_dim 128 without a block mask and without `mod_grads`, 80-row Q steps with dQ computed transposed
       (`DENSE_TILE_M`, `dq_swap_ab`);
     - with those 128-row steps, `dq_split_rows`: each consumer warpgroup forms 64 rows of dQ over all 64 columns
@@ -242,11 +252,12 @@ def default_bwd_config(head_dim: int, deterministic: bool = False, mod_grads: bo
         # 64 x 64 steps. K, V and a Q/dO stage take 32 KiB each at 256 columns and dS, P 32 KiB together, so the
         # fp32 dQ slab (64 KiB) leaves room for one stage; adding the partials from registers (`dq_red`) leaves room
         # for two: main kernel 1.35-1.47x faster at B4·S4k dense and causal
-        # (benchmarks/results/bwd_d256_dq_red_sweep_h200_2026-12-01.json). Deterministic mode needs the slab's
-        # ordered reduce, so one stage.
+        # (benchmarks/results/bwd_d256_dq_red_sweep_h200_2026-12-01.json). Deterministic mode keeps the slab and
+        # one stage: its dQ warp waits for the turns, where consumer warps waiting themselves (`dq_red` in turn, two
+        # stages) measured 0.82-0.83x (bwd_det_d256_h200_2026-12-01.json).
         return BwdConfig(head_dim=head_dim, tile_m=64, tile_n=64, num_stages=1 if deterministic else 2,
                          dq_red=not deterministic, dq_warp=deterministic, kv_tiles_first=not deterministic,
-                         lpt_order=LPT_ORDER and not deterministic and q_block is not None)
+                         lpt_order=_tile_order(deterministic, q_block))
     tile_m = 64
     if (head_dim == 64 and not mod_grads and mask_ops <= D64_MAX_MASK_OPS
             and (q_block is None or q_block % D64_TILE_M == 0)):
@@ -256,7 +267,13 @@ def default_bwd_config(head_dim: int, deterministic: bool = False, mod_grads: bo
         tile_m = DENSE_TILE_M
     return BwdConfig(head_dim=head_dim, tile_m=tile_m, kv_tiles_first=not deterministic,
                      dq_split_rows=head_dim == 64 and tile_m == 64 * 2, dq_swap_ab=swap,
-                     lpt_order=LPT_ORDER and not deterministic and q_block is not None)
+                     lpt_order=_tile_order(deterministic, q_block))
+
+
+def _tile_order(deterministic: bool, q_block: int | None) -> bool:
+    """Whether the CTAs follow a launcher-built order: longest first under a block mask (`LPT_ORDER`), turn order in
+    deterministic mode (`TURN_ORDER`)."""
+    return TURN_ORDER if deterministic else LPT_ORDER and q_block is not None
 
 
 def shares_block_mask_with_forward(head_dim: int, block_size: int = 128) -> bool:
@@ -299,13 +316,14 @@ def candidate_bwd_configs(head_dim: int, deterministic: bool = False, mod_grads:
         cands["tile_m64_swap"] = replace(base, tile_m=64)
     if base.dq_red:  # the dQ partials through a shared-memory slab (one Q/dO stage less at D=256)
         cands["dq_slab"] = replace(base, dq_red=False, dq_warp=True, num_stages=base.num_stages - 1)
-    elif not deterministic:  # straight from registers, and with the slab's shared memory spent on a third stage
+    else:  # straight from registers, and with the slab's shared memory spent on one more stage
         cands["dq_red"] = replace(base, dq_red=True, dq_warp=False)
-        cands["dq_red_stages3"] = replace(base, dq_red=True, dq_warp=False, num_stages=3)
+        more = base.num_stages + 1
+        cands[f"dq_red_stages{more}"] = replace(base, dq_red=True, dq_warp=False, num_stages=more)
     if deterministic:  # `neither` is then the other order with global stats: not a new question
         del cands["neither"]
-    else:  # block-sparse rows only (the launcher drops it without a block mask)
-        cands["natural_order" if base.lpt_order else "lpt_order"] = replace(base, lpt_order=not base.lpt_order)
+    # (outside deterministic mode for block-sparse rows only: the launcher drops it without a block mask)
+    cands["natural_order" if base.lpt_order else "lpt_order"] = replace(base, lpt_order=not base.lpt_order)
     if head_dim == 64:
         rows128 = replace(base, tile_m=128, dq_split_rows=True)
         if base.tile_m == 128:

@@ -2,14 +2,16 @@
 
 Several KV tiles (CTAs) add into the same dQ rows, so each step's partial goes registers -> shared memory -> one TMA
 reduce-add per consumer warpgroup into the fp32 `dQaccum` buffer (`bwd_postprocess` scales and converts it). In
-deterministic mode the reduce of query tile m waits (acquire) until every lower KV tile that visits m has reduced its
-part, and signals (release) once its own has landed, so the fp32 sums are added in one fixed order.
+deterministic mode the reduce of query tile m waits (acquire) until every KV tile before it in turn that visits m has
+reduced its part, and signals (release) once its own has landed, so the fp32 sums are added in one fixed order (the
+dQ warp issues every warpgroup's reduce of a step before waiting for them to land: `write_dq_in_turn`).
 
 Who issues the reduce: with `BwdConfig.dq_warp` (the default, 1.01-1.29x faster main kernel), one warp of the
 producer warpgroup that walks the same schedule (`write_dq`): a consumer warpgroup only writes its slab and arrives on
 DQ_FULL, and waits on DQ_EMPTY before writing the next one. Without it, the first warp of each consumer warpgroup.
 With `BwdConfig.dq_red` (head dim 256) there is no slab: every consumer thread adds its partial into `dQaccum` with
-16-byte vector reductions, in the same fragment order.
+16-byte vector reductions, in the same fragment order; in deterministic mode each warp waits for its turn and
+releases it itself (`red_dq`).
 
 The partial travels in fragment order (`fragment_order`): element i of consumer thread t's accumulator sits at
 (i // 4) * 512 + 4 t + i % 4 of its warpgroup's slab, in shared memory and in `dQaccum` alike, and the postprocess
@@ -38,6 +40,8 @@ from .named_barrier import BwdBarrier
 DQ_HANDOFF_THREADS = 128 + 32
 # A slab leaves shared memory as one (elements / 256, 256) fp32 TMA box: a box spans at most 256 elements a side.
 SLAB_LINE = 256
+# `dq_red` in deterministic mode: every warp of a consumer warpgroup releases the turn counter once.
+RED_RELEASES_PER_TURN = 4
 
 
 def make_dq_tiled_mma(dtype, head_dim: int, num_wg: int, split_rows: bool, swap_ab: bool = False, tile_m: int = 64):
@@ -116,7 +120,7 @@ class BwdDqReduce:
         the whole warpgroup passes). With a dQ warp the slab comes back through DQ_EMPTY instead, and the reduce is
         that warp's job."""
         if cutlass.const_expr(self.dq_red):
-            self.red_dq(acc_dQ, tdQg, m_block, wg)
+            self.red_dq(acc_dQ, tdQg, m_block, order, batch, head, wg)
             return
         if cutlass.const_expr(self.dq_warp):
             cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_EMPTY_WG1) + wg, number_of_threads=DQ_HANDOFF_THREADS)
@@ -131,14 +135,24 @@ class BwdDqReduce:
             self.issue_dq_reduce(tdQs, tdQg, tma_dq, m_block, order, batch, head, wg)
 
     @cute.jit
-    def red_dq(self, acc_dQ, gdQ, m_block: Int32, wg: Int32):
+    def red_dq(self, acc_dQ, gdQ, m_block: Int32, order, batch: Int32, head: Int32, wg: Int32):
         """`BwdConfig.dq_red`: this thread's partial added straight into its slab of `dQaccum` (`gdQ` = `dq_slabs`),
-        four fragment-order elements per vector reduction, at the addresses the slab path would have reached."""
+        four fragment-order elements per vector reduction, at the addresses the slab path would have reached.
+
+        Deterministic mode orders the adds warp by warp: each warp waits until the four warps of every lower KV tile
+        of this Q tile have released the slab's counter (`RED_RELEASES_PER_TURN`), adds, and releases it once its
+        lanes' reductions are ordered before lane 0's release by the warp barrier. No shared memory, no dQ warp."""
         slab = gdQ[None, None, self.dq_tile_index(m_block, wg)]
         address = slab.iterator.toint() + Int64((cute.arch.thread_idx()[0] % 128) * 16)
+        if cutlass.const_expr(self.deterministic):
+            self.wait_dq_turn(order, batch, head, m_block, wg)  # every lane polls: one request per warp
         for k in cutlass.range_constexpr(cute.size(acc_dQ) // 4):
             red_add_f32x4(address + k * 512 * 4, acc_dQ[4 * k], acc_dQ[4 * k + 1], acc_dQ[4 * k + 2],
                           acc_dQ[4 * k + 3])
+        if cutlass.const_expr(self.deterministic):
+            cute.arch.sync_warp()
+            if cute.arch.lane_idx() == 0:
+                self.release_dq_turn(order[0], batch, head, m_block, wg)
 
     @cute.jit
     def issue_dq_reduce(self, tdQs, tdQg, tma_dq, m_block: Int32, order, batch: Int32, head: Int32, wg: Int32):
@@ -157,9 +171,13 @@ class BwdDqReduce:
             cute.arch.fence_proxy("async.global")  # ... and is ordered before the generic-proxy release
             cute.arch.sync_warp()
             if cute.arch.lane_idx() == 0:
-                mdQsem = order[0]
-                sem = mdQsem.iterator + cute.crd2idx((batch, head, m_block, wg), mdQsem.layout)
-                cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
+                self.release_dq_turn(order[0], batch, head, m_block, wg)
+
+    @cute.jit
+    def release_dq_turn(self, mdQsem, batch: Int32, head: Int32, m_block: Int32, wg: Int32):
+        """One release of this slab's turn counter (one lane, after its warp's adds are ordered before it)."""
+        sem = mdQsem.iterator + cute.crd2idx((batch, head, m_block, wg), mdQsem.layout)
+        cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
 
     def dq_tile_index(self, m_block: Int32, wg: Int32):
         """Which of the slabs `tdQg` was cut into this warpgroup reduces into: Q tile m_block's slabs follow each
@@ -196,26 +214,53 @@ class BwdDqReduce:
             slabs = [tma_tiles(tma_dq, sdQ[None, None, w], gdQ) for w in range(self.num_wg)]  # per warpgroup
             for i in cutlass.range(sched.total, unroll=1):
                 m_block = sched.block(i)
-                for w in cutlass.range_constexpr(self.num_wg):
-                    cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FULL_WG1) + w,
-                                      number_of_threads=DQ_HANDOFF_THREADS)
-                    self.issue_dq_reduce(slabs[w][0], slabs[w][1], tma_dq, m_block, order, batch, head, w)
-                    if cutlass.const_expr(not self.deterministic):  # (deterministic: it has landed already)
+                if cutlass.const_expr(self.deterministic):
+                    self.write_dq_in_turn(slabs, tma_dq, m_block, order, batch, head)
+                else:
+                    for w in cutlass.range_constexpr(self.num_wg):
+                        cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FULL_WG1) + w,
+                                          number_of_threads=DQ_HANDOFF_THREADS)
+                        self.issue_dq_reduce(slabs[w][0], slabs[w][1], tma_dq, m_block, order, batch, head, w)
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
-                    cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY_WG1) + w,
-                                             number_of_threads=DQ_HANDOFF_THREADS)
+                        cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY_WG1) + w,
+                                                 number_of_threads=DQ_HANDOFF_THREADS)
+
+    @cute.jit
+    def write_dq_in_turn(self, slabs, tma_dq, m_block: Int32, order, batch: Int32, head: Int32):
+        """The dQ warp's step in deterministic mode: every warpgroup's reduce issued in its turn, then one wait for
+        all of them to land before the turns are released and the slabs handed back. Waiting for each reduce
+        before issuing the next put two round trips to global memory on every step's path instead of one."""
+        for w in cutlass.range_constexpr(self.num_wg):
+            cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FULL_WG1) + w, number_of_threads=DQ_HANDOFF_THREADS)
+            self.wait_dq_turn(order, batch, head, m_block, w)
+            cute.arch.sync_warp()  # every lane has seen the turn before the warp-collective copy
+            cute.arch.fence_proxy("async.global")  # the acquire orders the TMA (async proxy) reduce too
+            cute.copy(tma_dq, slabs[w][0], slabs[w][1][None, self.dq_tile_index(m_block, w)])
+            cute.arch.cp_async_bulk_commit_group()
+        cute.arch.cp_async_bulk_wait_group(0, read=False)  # every reduce has landed in global memory
+        cute.arch.fence_proxy("async.global")  # ... and is ordered before the generic-proxy releases
+        cute.arch.sync_warp()
+        if cute.arch.lane_idx() == 0:
+            for w in cutlass.range_constexpr(self.num_wg):
+                self.release_dq_turn(order[0], batch, head, m_block, w)
+        for w in cutlass.range_constexpr(self.num_wg):
+            cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY_WG1) + w, number_of_threads=DQ_HANDOFF_THREADS)
 
     @cute.jit
     def wait_dq_turn(self, order, batch: Int32, head: Int32, m_block: Int32, wg: Int32):
-        """Spin until every lower KV tile that visits this Q tile has reduced its dQ part (acquire).
+        """Spin until every KV tile before this one in turn that visits this Q tile has reduced its dQ part
+        (acquire): the lower tiles (turn = n_block) without a block mask, else the rank table's.
 
-        CTAs are launched so that the ones waited for were launched earlier (lower KV tile, same head and batch),
-        so they can always finish."""
+        Each turn releases the counter once (TMA reduce) or once per warp (`dq_red`), so the count reaches
+        turn * releases exactly when every earlier turn is done: no later turn can release before that.
+        CTAs are launched in turn order (`bwd_launch.turn_tile_order`), so the ones waited for were launched
+        earlier and can always finish."""
         mdQsem, mRank, rank_b, rank_h, n_block = order
         turn = n_block
         if cutlass.const_expr(mRank is not None):
             turn = Int32(mRank[rank_b, rank_h, n_block, m_block])
+        target = turn * (RED_RELEASES_PER_TURN if self.dq_red else 1)
         sem = mdQsem.iterator + cute.crd2idx((batch, head, m_block, wg), mdQsem.layout)
         seen = Int32(-1)
-        while seen != turn:
+        while seen < target:
             seen = cute.arch.load(sem, Int32, sem="acquire", scope="gpu")

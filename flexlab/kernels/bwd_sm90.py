@@ -31,13 +31,15 @@ Query-direction block sparsity comes from torch's BlockMask (q_num_blocks/q_indi
 the forward's `KvSchedule` with the roles of Q and KV swapped: partial blocks (mask_mod) first, then full blocks.
 
 CTA order: KV tiles first (the CTAs of one head side by side, sharing Q and dO in L2); with a block mask outside
-deterministic mode, the launcher's longest-first order within L2-sized head groups (`BwdConfig.lpt_order`).
+deterministic mode, the launcher's longest-first order within L2-sized head groups (`BwdConfig.lpt_order`); in
+deterministic mode, the launcher's turn order (`bwd_launch.turn_tile_order`).
 
 Deterministic mode: dK/dV are already run-to-run identical (one CTA, fixed order). dQ partials are fp32 sums over KV
 tiles, so their order is fixed: before the TMA reduce-add of a warpgroup's partial into Q tile m, the issuing warp
-waits (acquire) until a semaphore for (batch, head, m, half) equals the number of lower KV tiles that visit m
-(n_block when dense, a host-built rank table with a block mask), and releases it once the reduce has landed. CTAs are
-launched KV-tile-slowest, so a CTA only ever waits for CTAs launched before it. Captured-tensor gradients are
+waits (acquire) until a semaphore for (batch, head, m, half) counts the KV tiles that visit m before it (the lower
+ones, n_block, when dense; with a block mask a host-built rank table, the higher ones first under the launcher's turn
+order), and releases it once the reduce has landed. CTAs are launched in that turn order, so a CTA only ever waits
+for CTAs launched before it. Captured-tensor gradients are
 accumulated through `bwd_aux_grad.add_aux_grad`, which turns them into exact int64 fixed-point atomics in
 deterministic mode.
 """
@@ -90,8 +92,6 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         # Deterministic: the dQ partials of one query tile are reduced in increasing KV-tile order (a semaphore per
         # tile and warpgroup half), so the fp32 sums, and so dQ, are the same bits on every run.
         self.deterministic = deterministic
-        if deterministic and cfg.lpt_order:
-            raise ValueError("lpt_order reorders KV tiles; deterministic mode needs each head's tiles in launch order")
         self.tile_m, self.tile_n, self.head_dim = cfg.tile_m, cfg.tile_n, cfg.head_dim
         self.mask_early = cfg.mask_early
         self.num_stages = cfg.num_stages
@@ -128,8 +128,6 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         self.early_dv = cfg.early_dv and not self.lean  # (the lean plan issues dV early in its own way)
         self.dq_warp = cfg.dq_warp
         self.dq_red = cfg.dq_red
-        if deterministic and self.dq_red:
-            raise ValueError("dq_red adds dQ partials in no fixed order; deterministic mode needs the ordered reduce")
 
     def stats_bytes(self) -> int:
         """Bytes of LSE2 and D rows that land with each Q/dO stage (0 unless stats_in_smem)."""
@@ -162,8 +160,8 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         """mQ/mdO (B, Hq, Sq, D), mK/mV/mdK/mdV (B, Hkv, Skv, D); mLSE2/mDpsum (B, Hq, Sq_pad) and mdQaccum
         (B, Hq, Sq_pad, D) fp32 with Sq_pad a multiple of tile_m; `sparse` = Q-direction block lists or None.
         Deterministic mode: mdQsem (B, Hq, Sq_pad / tile_m, consumer warpgroups) int32 zeros, and with a block mask
-        mRank (Bm, Hm, KV tiles, Q tiles) int32: how many lower KV tiles visit that Q tile. With `lpt_order`,
-        mTileOrder (B * Hkv * KV tiles, 3) int32: the (KV tile, KV head, batch) CTA i works on."""
+        mRank (Bm, Hm, KV tiles, Q tiles) int32: how many KV tiles visit that Q tile before this one in turn. With
+        `lpt_order`, mTileOrder (B * Hkv * KV tiles, 3) int32: the (KV tile, KV head, batch) CTA i works on."""
         mQ, mK, mV, mdO, mdK, mdV = [bshd_view(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]
         tile_m, tile_n, hd = self.tile_m, self.tile_n, self.head_dim
         mdQlines = dq_accum_lines(mdQaccum, hd)
@@ -222,7 +220,8 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         # P = exp2(x * c - LSE2): x is the raw score (c folds in the softmax scale) or the modded, scaled score.
         log2_scale = Float32(LOG2_E) if cutlass.const_expr(self.score_mod is not None) else softmax_scale * LOG2_E
         # Grid (KV heads, batch, KV tiles), or with kv_tiles_first (KV tiles, KV heads, batch). Either way a lower
-        # KV tile of the same (batch, head) is launched earlier, which deterministic mode's dQ ordering relies on.
+        # KV tile of the same (batch, head) is launched earlier, which deterministic mode's dQ ordering relies on
+        # (with a table, `bwd_launch.turn_tile_order` launches every tile after those it waits for).
         grid = [cute.size(mK.shape[2]), cute.size(mK.shape[3]), cute.ceil_div(mK.shape[0], tile_n)]
         if cutlass.const_expr(self.kv_tiles_first):
             grid = [cute.ceil_div(mK.shape[0], tile_n), cute.size(mK.shape[2]), cute.size(mK.shape[3])]
@@ -482,6 +481,6 @@ def fake_arguments(cfg: BwdConfig, dtype, block_sparse: bool = False, aux_tensor
                       for rank in aux_grad_ranks)
     sem = compact(Int32, (sym(), sym(), sym(), cfg.num_consumer_wgs)) if deterministic else None
     rank = compact(Int32, (sym(), sym(), sym(), sym())) if deterministic and block_sparse else None
-    tile_order = compact(Int32, (sym(), 3)) if cfg.lpt_order and block_sparse else None
+    tile_order = compact(Int32, (sym(), 3)) if cfg.lpt_order and (block_sparse or deterministic) else None
     return (bhsd(), bhsd(), bhsd(), bhsd(), rows, rows, accum, bhsd(), bhsd(), Float32(1.0), Int32(1), sparse,
             aux_tensors, aux_scalars, aux_grads, sem, rank, tile_order, make_fake_stream(use_tvm_ffi_env_stream=True))

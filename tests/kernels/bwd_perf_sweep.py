@@ -6,8 +6,9 @@ check each one's gradients, in one command:
 Rows (bf16, H=16, MHA): D=128 dense and causal at B4·S4k and B1·S16k, D=64 dense and causal at B1·S16k, sliding
 window 1024 at B4·S4k (D=128) and B1·S16k (D=64), packed documents of 2000 tokens at B1·S16k (D=64 and 128; the
 ids are a captured tensor, as in a user's mask), a tanh soft-cap score_mod at B2·S2k (D=128 and 64); plus
-deterministic mode (its default, the other CTA order, LSE2/D from global memory, the other D=64 step) on the D=128
-B4·S4k rows, sliding window and D=64 causal. Columns: the named configurations of
+deterministic mode (its default, the other CTA order, LSE2/D from global memory, the other D=64 step, the dQ
+partials added in turn from registers, the CTA order) on the D=128 and D=256 B4·S4k rows, sliding window,
+documents and D=64 causal. Columns: the named configurations of
 `bwd_config.candidate_bwd_configs(D, deterministic, mod_grads)` (`default` first). For each (row, configuration):
 
   * the backward exactly as the launcher runs it (`bwd_launch.backward`: preprocess, main kernel, postprocess), with
@@ -76,10 +77,12 @@ SCORE_MOD_ROWS = [
 ]
 HEADS = 16
 DOCUMENT_LEN = 2000  # packed documents of 2000 tokens: boundaries inside tiles, so partial blocks on the diagonal
-DETERMINISTIC_ROWS = ("d128-dense-B4-S4k", "d128-causal-B4-S4k", "d64-causal-B1-S16k", "d128-sliding1024-B4-S4k")
+DETERMINISTIC_ROWS = ("d128-dense-B4-S4k", "d128-causal-B4-S4k", "d64-causal-B1-S16k", "d128-sliding1024-B4-S4k",
+                      "d128-document-B1-S16k", "d256-dense-B4-S4k", "d256-causal-B4-S4k")
 # of candidate_bwd_configs(D, True), where that head dim has them
 DETERMINISTIC_VARIANTS = ("default", "kv_tiles_first", "stats_from_global", "tile_m64", "dq_cols", "dq_warp",
-                          "dq_in_consumers", "dk_after_dq", "dk_before_dq")
+                          "dq_in_consumers", "dk_after_dq", "dk_before_dq", "dq_red", "dq_red_stages2",
+                          "dq_red_stages3", "dq_slab", "natural_order")
 
 
 def _candidates(D: int, deterministic: bool, kind: str):

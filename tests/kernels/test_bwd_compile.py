@@ -91,16 +91,32 @@ def test_main_kernel_compiles_without_spills(D, block_sparse):
     _check_main(ptx, report, D, key.config.tile_m, key.config.dq_red)
 
 
-@pytest.mark.parametrize("D,block_sparse", [(128, False), (64, True), (256, True)])
-def test_deterministic_kernel_orders_dq_reductions(D, block_sparse):
-    """Deterministic mode: each dQ reduce waits (acquire) for its turn and signals the next KV tile (release)."""
+@pytest.mark.parametrize("D,block_sparse,option", [(128, False, None), (64, True, None), (256, True, None),
+                                                   (256, False, "dq_red_stages2")])
+def test_deterministic_kernel_orders_dq_reductions(D, block_sparse, option):
+    """Deterministic mode: each dQ reduce waits (acquire) for its turn and signals the next KV tile (release).
+    With `dq_red` (a candidate at D=256) every warp does both around its own vector reductions, after a warp
+    barrier."""
+    from dataclasses import replace
+
+    from flexlab.kernels.bwd_config import candidate_bwd_configs
     from flexlab.kernels.bwd_launch import compile_main
     key = _main_key(D, block_sparse, deterministic=True)
+    if option is not None:
+        key = replace(key, config=candidate_bwd_configs(D, True, q_block=128 if block_sparse else None)[option])
+        assert key.config.dq_red
     ptx, report = _assemble(compile_main(key, None, options=KEEP_PTX))
     _check_main(ptx, report, D, key.config.tile_m, key.config.dq_red)
     assert "ld.acquire.gpu.global.b32" in ptx
     assert "red.release.gpu.global.add.s32" in ptx
-    assert re.search(r"cp\.async\.bulk\.wait_group\s+0", ptx), "the reduce must have landed before the release"
+    if key.config.dq_red:
+        acquire, release = ptx.index("ld.acquire.gpu.global.b32"), ptx.index("red.release.gpu.global.add.s32")
+        adds = [m.start() for m in re.finditer(r"red\.global\.add\.v4\.f32", ptx)]
+        assert acquire < adds[0] and adds[-1] < release, "the adds must sit between the turn's acquire and release"
+        assert re.search(r"bar\.warp\.sync[^;]*;(?:(?!red\.global\.add\.v4).)*red\.release", ptx, re.S), \
+            "a warp barrier must order every lane's adds before lane 0's release"
+    else:
+        assert re.search(r"cp\.async\.bulk\.wait_group\s+0", ptx), "the reduce must have landed before the release"
 
 
 def test_visit_ranks_count_lower_kv_tiles():
@@ -115,6 +131,11 @@ def test_visit_ranks_count_lower_kv_tiles():
     assert rank[0, 0, 0, 0] == 0 and rank[0, 0, 2, 0] == 1  # tile 1 skips Q tile 0: tile 2 is second there
     assert rank[0, 0, :, 1].tolist() == [0, 1, 2]
     assert rank[0, 0, 1, 3] == 0 and rank[0, 0, 2, 3] == 1
+    # the turn order under a block mask in deterministic mode: higher KV tiles first
+    high = visit_ranks((num, idx, fnum, fidx), 4, higher_first=True)
+    assert high[0, 0, 2, 0] == 0 and high[0, 0, 0, 0] == 1
+    assert high[0, 0, :, 1].tolist() == [2, 1, 0]
+    assert high[0, 0, 2, 3] == 0 and high[0, 0, 1, 3] == 1
 
 
 def test_deterministic_captured_grads_compile_to_integer_atomics():

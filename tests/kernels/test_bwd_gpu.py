@@ -87,13 +87,19 @@ def test_awkward_lengths_dense(Sq, Skv, D):
 
 
 @needs_hopper
-@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sliding-window"])
+@pytest.mark.parametrize("sparse", [None, "window", "documents"], ids=["dense", "sliding-window", "documents"])
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_deterministic_mode_repeats_bitwise(sparse, D):
+    """Also under masks whose KV tiles list a partial Q tile after full ones (the window's far edge, a document's
+    end), which deterministic mode walks in Q order; the documents' mask reads a captured tensor (stored bits)."""
     S = 2048
     bm = None
-    if sparse:
+    if sparse == "window":
         bm = flexlab.create_block_mask(lambda b, h, qi, kv: (qi >= kv) & (qi - kv < 700), 1, 1, S, S, device="cuda")
+    elif sparse == "documents":
+        doc = (torch.arange(S, device="cuda") * 5 // S).to(torch.int32)  # five documents, ends inside tiles
+        bm = flexlab.create_block_mask(lambda b, h, qi, kv: (qi >= kv) & (doc[qi] == doc[kv]), 1, 1, S, S,
+                                       device="cuda")
     q, k, v = random_qkv(2, 4, S, S, D, torch.bfloat16, "cuda", Hkv=2, requires_grad=True)
     dout = torch.randn(2, 4, S, D, device="cuda", dtype=torch.bfloat16)
     runs = [_backward(q, k, v, None, bm, [], dout, True, deterministic=True) for _ in range(5)]

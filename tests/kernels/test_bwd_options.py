@@ -47,14 +47,18 @@ def test_default_options_and_candidates_fit():
                 assert c.block_mask_error(128, 128) is None, name
     assert "tile_m must be 128" in BwdConfig(head_dim=64, dq_split_rows=True).feasibility_error()
     # D=256: two warpgroups share 64 key rows; the dQ partials go out by vector reductions, which leaves shared
-    # memory for two Q/dO stages; deterministic mode keeps the ordered slab and one stage
+    # memory for two Q/dO stages; deterministic mode keeps the slab (its dQ warp waits for the turns) and one stage,
+    # with the vector reductions in turn a candidate
     d256 = default_bwd_config(256)
     assert d256.split_head_dim and (d256.tile_m, d256.tile_n, d256.num_stages) == (64, 64, 2)
     assert d256.dq_red and not d256.dq_warp and d256.feasibility_error() is None
     assert d256.block_mask_error(128, 128) is None
     det256 = default_bwd_config(256, deterministic=True)
     assert not det256.dq_red and det256.dq_warp and det256.num_stages == 1 and det256.feasibility_error() is None
+    assert det256.lpt_order  # the launcher's turn order
     assert "shared memory" in replace(det256, num_stages=2).feasibility_error()
+    red = candidate_bwd_configs(256, deterministic=True)["dq_red_stages2"]
+    assert (red.dq_red, red.dq_warp, red.num_stages) == (True, False, 2) and red.feasibility_error() is None
     assert "dq_red" in replace(d256, dq_warp=True).feasibility_error()
     assert "split" in replace(d256, tile_n=128).feasibility_error()
     assert set(candidate_bwd_configs(256)) >= {"default", "dq_slab"}

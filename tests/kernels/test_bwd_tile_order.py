@@ -1,5 +1,6 @@
 """The backward's CTA order with a block mask (`BwdConfig.lpt_order`, `bwd_launch.lpt_tile_order`): every
-(KV tile, KV head, batch) once, head groups that fit the L2 budget, longest tiles first inside a group (CPU only)."""
+(KV tile, KV head, batch) once, head groups that fit the L2 budget, longest tiles first inside a group; and the
+deterministic mode's turn order (`bwd_launch.turn_tile_order`) (CPU only)."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 
 from flexlab.kernels import bwd_config
 from flexlab.kernels.bwd_config import BwdConfig, default_bwd_config
-from flexlab.kernels.bwd_launch import lpt_tile_order, q_direction_tensors
+from flexlab.kernels.bwd_launch import l2_head_groups, lpt_tile_order, q_direction_tensors, turn_tile_order
 from flexlab.mask.build import create_block_mask
 
 
@@ -53,15 +54,13 @@ def test_order_is_a_grouped_longest_first_permutation(B, Hkv, qpk, S, per_head, 
         assert ties == sorted(ties)  # equal work keeps (head, tile) order
 
 
-def test_the_launcher_orders_block_sparse_tiles_outside_deterministic_mode():
+def test_the_launcher_orders_block_sparse_tiles_and_deterministic_turns():
     assert default_bwd_config(128, q_block=128).lpt_order
     assert not default_bwd_config(128).lpt_order  # no block mask: every KV tile walks every Q tile
-    assert not default_bwd_config(128, deterministic=True, q_block=128).lpt_order
-    import cutlass
-
-    from flexlab.kernels.bwd_sm90 import FlexBwdSm90
-    with pytest.raises(ValueError, match="lpt_order"):  # the kernel refuses the combination itself
-        FlexBwdSm90(default_bwd_config(128, q_block=128), cutlass.BFloat16, deterministic=True)
+    # deterministic mode: the launcher's turn order, with or without a block mask (`turn_tile_order`)
+    assert default_bwd_config(128, deterministic=True, q_block=128).lpt_order
+    assert default_bwd_config(128, deterministic=True).lpt_order
+    assert default_bwd_config(256, deterministic=True).lpt_order
 
 
 def test_groups_follow_the_l2_budget():
@@ -78,3 +77,63 @@ def test_groups_follow_the_l2_budget():
     assert len(cuts) + 1 == 6
     sizes = [b - a for a, b in zip([0] + cuts, cuts + [len(pair)])]
     assert {s // 32 for s in sizes} == {10, 11}  # 32 KV tiles per pair
+
+
+@pytest.mark.parametrize("higher_first", [False, True])
+def test_turn_order_launches_every_waited_for_tile_first(higher_first):
+    """Deterministic mode's CTA order: every (KV tile, head, batch) once; inside each L2 head group the heads take
+    turns at each KV tile; a CTA's turn on a Q tile comes after every tile of its head launched before it."""
+    B, Hkv, G, S, D, n_kv = 3, 4, 2, 4096, 128, 5
+    order = turn_tile_order(n_kv, B, Hkv, G, S, D, higher_first, "cpu")
+    assert order.dtype == torch.int32 and order.shape == (B * Hkv * n_kv, 3)
+    assert len({tuple(r) for r in order.tolist()}) == B * Hkv * n_kv
+    bounds = l2_head_groups(B, Hkv, G, S, D)
+    assert len(bounds) > 2 and bounds[-1] == B * Hkv  # several groups at this size
+    assert bounds == sorted(bounds) and max(b - a for a, b in zip(bounds, bounds[1:])) * G * S * D * 8 \
+        <= bwd_config.LPT_GROUP_L2_BYTES
+    first = order[: n_kv * bounds[1]]  # the first group: its heads take turns at each tile
+    tiles = first[:, 0].view(n_kv, bounds[1])
+    assert (tiles == tiles[:, :1]).all()
+    assert tiles[:, 0].tolist() == (list(range(n_kv))[::-1] if higher_first else list(range(n_kv)))
+    seen = {}
+    for tile, h, b in order.tolist():  # per (batch, head), tiles come in the ranks' order
+        prev = seen.get((b, h))
+        if prev is not None:
+            assert tile == (prev - 1 if higher_first else prev + 1)
+        seen[b, h] = tile
+
+
+def test_deterministic_walk_goes_in_q_order_where_partial_tiles_follow_full_ones():
+    """A sliding window lists each KV tile's far edge (partial) before its inside (full); deterministic mode's
+    highest-first dQ turns need every tile to walk its Q tiles in ascending order, so such tiles walk one merged,
+    ascending list (all partial). Causal tiles, whose partial diagonal comes first, keep their lists."""
+    from flexlab.kernels.bwd_launch import visit_ranks, walk_in_q_order
+    cfg = default_bwd_config(128, deterministic=True, q_block=128)
+    S = 2048
+    m_tiles = S // cfg.tile_m
+
+    def listed(lists, b, h, n):
+        num, idx, fnum, fidx = lists
+        return idx[b, h, n, : num[b, h, n]].tolist() + fidx[b, h, n, : fnum[b, h, n]].tolist()
+
+    def window(b, h, q, kv):
+        return (q >= kv) & (q - kv < 700)
+    for mask_mod, reorders in ((window, True), (lambda b, h, q, kv: q >= kv, False)):
+        lists = _lists(mask_mod, None, None, S, cfg)
+        walked = walk_in_q_order(lists, m_tiles)
+        assert all(t.is_contiguous() for t in walked)
+        changed = 0
+        for n in range(lists[0].shape[2]):
+            before, after = listed(lists, 0, 0, n), listed(walked, 0, 0, n)
+            assert sorted(before) == sorted(after)  # the same Q tiles, each once
+            if after != before:
+                changed += 1
+                assert after == sorted(after) and walked[2][0, 0, n] == 0  # one ascending list, all partial
+        assert (changed > 0) == reorders
+        # every tile now reaches each Q tile after the next higher tile did: the turn order's premise
+        ranks = visit_ranks(walked, m_tiles, higher_first=True)
+        for m in range(m_tiles):
+            visitors = [n for n in range(lists[0].shape[2]) if m in listed(walked, 0, 0, n)]
+            steps = [listed(walked, 0, 0, n).index(m) for n in visitors]
+            assert [int(ranks[0, 0, n, m]) for n in visitors] == list(range(len(visitors)))[::-1]
+            assert steps == sorted(steps, reverse=True), (m, visitors, steps)  # higher tiles got there first
