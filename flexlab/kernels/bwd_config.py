@@ -298,9 +298,11 @@ def candidate_bwd_configs(head_dim: int, deterministic: bool = False, mod_grads:
     other_order = "heads_first" if base.kv_tiles_first else "kv_tiles_first"
     cands = {
         "default": base,
-        other_order: replace(base, kv_tiles_first=not base.kv_tiles_first),
+        # (the grid's order: a launcher-built order, `lpt_order`, would override it)
+        other_order: replace(base, kv_tiles_first=not base.kv_tiles_first, lpt_order=False),
         "stats_from_global": replace(base, stats_in_smem=False),
-        "neither": replace(base, stats_in_smem=False, kv_tiles_first=False),  # the default before 2026-11-30
+        # the default before 2026-11-30
+        "neither": replace(base, stats_in_smem=False, kv_tiles_first=False, lpt_order=False),
         # dQ before or after dK, whichever the default does not do
         "dk_before_dq" if base.dk_after_dq else "dk_after_dq": replace(base, dk_after_dq=not base.dk_after_dq),
         "stages3": replace(base, num_stages=3),

@@ -139,8 +139,8 @@ class BwdDqReduce:
         """`BwdConfig.dq_red`: this thread's partial added straight into its slab of `dQaccum` (`gdQ` = `dq_slabs`),
         four fragment-order elements per vector reduction, at the addresses the slab path would have reached.
 
-        Deterministic mode orders the adds warp by warp: each warp waits until the four warps of every lower KV tile
-        of this Q tile have released the slab's counter (`RED_RELEASES_PER_TURN`), adds, and releases it once its
+        Deterministic mode orders the adds warp by warp: each warp waits until the four warps of every KV tile before
+        this one in turn have released the slab's counter (`RED_RELEASES_PER_TURN`), adds, and releases it once its
         lanes' reductions are ordered before lane 0's release by the warp barrier. No shared memory, no dQ warp."""
         slab = gdQ[None, None, self.dq_tile_index(m_block, wg)]
         address = slab.iterator.toint() + Int64((cute.arch.thread_idx()[0] % 128) * 16)

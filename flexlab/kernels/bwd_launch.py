@@ -323,14 +323,16 @@ def turn_tile_order(n_kv: int, batch: int, kv_heads: int, qhead_per_kvhead: int,
     that chain short where it cannot be avoided (dense: every tile visits every Q tile in the same order) while
     Q, dO and the dQ sums of the group stay in L2 (all heads taking turns sent the dQ sums to DRAM)."""
     bounds = l2_head_groups(batch, kv_heads, qhead_per_kvhead, seqlen_q, head_dim)
-    tiles = torch.arange(n_kv - 1, -1, -1) if higher_first else torch.arange(n_kv)
+    tiles = torch.arange(n_kv, device=device)
+    if higher_first:
+        tiles = tiles.flip(0)
     rows = []
     for lo, hi in zip(bounds, bounds[1:]):
-        pair = torch.arange(lo, hi)
+        pair = torch.arange(lo, hi, device=device)
         tile = tiles[:, None].expand(n_kv, hi - lo).reshape(-1)
         pair = pair[None, :].expand(n_kv, hi - lo).reshape(-1)
         rows.append(torch.stack((tile, pair % kv_heads, pair // kv_heads), dim=1))
-    return torch.cat(rows).to(torch.int32).to(device).contiguous()
+    return torch.cat(rows).to(torch.int32).contiguous()
 
 
 def lpt_tile_order(sparse: tuple, batch: int, kv_heads: int, qhead_per_kvhead: int, seqlen_q: int,

@@ -35,10 +35,14 @@ def test_default_options_and_candidates_fit():
         assert not (cfg.early_dv or cfg.mask_early)
         # 64-row steps (a score_mod derivative) have no 64-row dQ halves to split between the warpgroups
         assert not default_bwd_config(D, mod_grads=True).dq_split_rows
-        det = default_bwd_config(D, deterministic=True)  # the fixed-order dQ reduction wants heads first
-        assert det.stats_in_smem and not det.kv_tiles_first
+        det = default_bwd_config(D, deterministic=True)  # the fixed-order dQ reduction takes the turn order
+        assert det.stats_in_smem and det.lpt_order
         det_cands = candidate_bwd_configs(D, deterministic=True)
-        assert det_cands["default"] == det and det_cands["kv_tiles_first"].kv_tiles_first
+        assert det_cands["default"] == det and not det_cands["natural_order"].lpt_order
+        # the grid-order candidates are the grid's order, not the launcher's table again
+        for order in ("kv_tiles_first", "neither"):
+            assert not det_cands.get(order, BwdConfig(head_dim=D)).lpt_order
+        assert not candidate_bwd_configs(D, q_block=128)["heads_first"].lpt_order
         cands = candidate_bwd_configs(D)
         assert next(iter(cands)) == "default" and cands["default"] == default_bwd_config(D)
         for name, c in cands.items():
