@@ -133,6 +133,8 @@ class BwdDqReduce:
         cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_READY_WG1) + wg, number_of_threads=128)
         if dq_issuer():
             self.issue_dq_reduce(tdQs, tdQg, tma_dq, m_block, order, batch, head, wg)
+            if cutlass.const_expr(self.deterministic):
+                self.release_landed(order, batch, head, m_block, (wg,))
 
     @cute.jit
     def red_dq(self, acc_dQ, gdQ, m_block: Int32, order, batch: Int32, head: Int32, wg: Int32):
@@ -157,7 +159,7 @@ class BwdDqReduce:
     @cute.jit
     def issue_dq_reduce(self, tdQs, tdQg, tma_dq, m_block: Int32, order, batch: Int32, head: Int32, wg: Int32):
         """One whole warp: TMA reduce-add of warpgroup `wg`'s slab into Q tile `m_block`, in deterministic mode in its
-        fixed turn (acquire before, release once it has landed). Returns with the copy in flight otherwise."""
+        fixed turn (acquire before; `release_landed` releases it). Returns with the copy in flight."""
         if cutlass.const_expr(self.deterministic):
             self.wait_dq_turn(order, batch, head, m_block, wg)
             cute.arch.sync_warp()  # every lane has seen the turn before the warp-collective copy
@@ -166,12 +168,17 @@ class BwdDqReduce:
         # Every lane commits and waits on its own bulk group (empty for the lanes that issued nothing), so the lane
         # the copy elected is always covered without knowing which one it was.
         cute.arch.cp_async_bulk_commit_group()
-        if cutlass.const_expr(self.deterministic):
-            cute.arch.cp_async_bulk_wait_group(0, read=False)  # the reduce has landed in global memory
-            cute.arch.fence_proxy("async.global")  # ... and is ordered before the generic-proxy release
-            cute.arch.sync_warp()
-            if cute.arch.lane_idx() == 0:
-                self.release_dq_turn(order[0], batch, head, m_block, wg)
+
+    @cute.jit
+    def release_landed(self, order, batch: Int32, head: Int32, m_block: Int32, wgs: tuple):
+        """Deterministic mode, the warp that issued the reduces of warpgroups `wgs` into Q tile `m_block`: wait for
+        them to land in global memory, then release each one's turn."""
+        cute.arch.cp_async_bulk_wait_group(0, read=False)
+        cute.arch.fence_proxy("async.global")  # the landed reduces are ordered before the generic-proxy releases
+        cute.arch.sync_warp()
+        if cute.arch.lane_idx() == 0:
+            for i in cutlass.range_constexpr(len(wgs)):
+                self.release_dq_turn(order[0], batch, head, m_block, wgs[i])
 
     @cute.jit
     def release_dq_turn(self, mdQsem, batch: Int32, head: Int32, m_block: Int32, wg: Int32):
@@ -232,17 +239,8 @@ class BwdDqReduce:
         before issuing the next put two round trips to global memory on every step's path instead of one."""
         for w in cutlass.range_constexpr(self.num_wg):
             cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_FULL_WG1) + w, number_of_threads=DQ_HANDOFF_THREADS)
-            self.wait_dq_turn(order, batch, head, m_block, w)
-            cute.arch.sync_warp()  # every lane has seen the turn before the warp-collective copy
-            cute.arch.fence_proxy("async.global")  # the acquire orders the TMA (async proxy) reduce too
-            cute.copy(tma_dq, slabs[w][0], slabs[w][1][None, self.dq_tile_index(m_block, w)])
-            cute.arch.cp_async_bulk_commit_group()
-        cute.arch.cp_async_bulk_wait_group(0, read=False)  # every reduce has landed in global memory
-        cute.arch.fence_proxy("async.global")  # ... and is ordered before the generic-proxy releases
-        cute.arch.sync_warp()
-        if cute.arch.lane_idx() == 0:
-            for w in cutlass.range_constexpr(self.num_wg):
-                self.release_dq_turn(order[0], batch, head, m_block, w)
+            self.issue_dq_reduce(slabs[w][0], slabs[w][1], tma_dq, m_block, order, batch, head, w)
+        self.release_landed(order, batch, head, m_block, tuple(range(self.num_wg)))
         for w in cutlass.range_constexpr(self.num_wg):
             cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY_WG1) + w, number_of_threads=DQ_HANDOFF_THREADS)
 

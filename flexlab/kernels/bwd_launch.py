@@ -532,14 +532,16 @@ def _build_plan(q, k, entry, cfg: BwdConfig, block_mask, block_size, determinist
             raise BackendUnavailableError(f"captured tensor '{g.aux_tensor_names[i]}' is on {t.device} but the inputs "
                                           f"are on {dev}; move it with .to({str(dev)!r}) before building the mods")
     masks = walk = bits = tile_order = None
-    pad = cfg.tile_m
     if not block_mask and cfg.lpt_order and not deterministic:  # (without block lists all tiles are alike)
         cfg = replace(cfg, lpt_order=False)
+    turns = deterministic and cfg.lpt_order  # the launcher's turn order (`turn_tile_order`)
+    # listed Q tiles may run past Sq up to a mask block
+    pad = math.lcm(cfg.tile_m, int(block_size[0])) if block_mask else cfg.tile_m
+    sq_pad = -(-Sq // pad) * pad
     if block_mask:
         masks = walk = _cached_q_direction(block_mask, block_size, cfg, Skv)
-        pad = math.lcm(cfg.tile_m, int(block_size[0]))  # listed Q tiles may run past Sq up to a mask block
-        if deterministic and cfg.lpt_order:  # higher KV tiles take their dQ turns first: walk in Q order
-            masks = walk = masks.in_q_order(-(-Sq // pad) * pad // cfg.tile_m)
+        if turns:  # higher KV tiles take their dQ turns first: every tile walks its Q tiles in ascending order
+            masks = walk = masks.in_q_order(sq_pad // cfg.tile_m)
         bits = stored_bits(entry, masks, cfg, B, Hq, Sq, Skv)
         if bits is not None:
             cfg = with_mask_bits(cfg)
@@ -547,14 +549,11 @@ def _build_plan(q, k, entry, cfg: BwdConfig, block_mask, block_size, determinist
                 walk = bits.derived(lambda: QLists((bits.num, bits.idx) + masks.tensors[2:], masks._owners))
         if cfg.lpt_order and not deterministic:  # (work estimated from the mask's own lists, as measured)
             tile_order = masks.tile_order(B, Hkv, Hq // Hkv, Sq, D)
-    # deterministic mode: under a block mask the higher KV tiles take their turns first (`turn_tile_order`)
-    higher_first = deterministic and cfg.lpt_order and walk is not None
-    if deterministic and cfg.lpt_order:
-        tile_order = turn_tile_order(-(-Skv // cfg.tile_n), B, Hkv, Hq // Hkv, Sq, D, higher_first, dev)
+    if turns:  # under a block mask the higher KV tiles first
+        tile_order = turn_tile_order(-(-Skv // cfg.tile_n), B, Hkv, Hq // Hkv, Sq, D, walk is not None, dev)
     kernels = _kernels(g, entry.grad_slots, kernel_aux, q.dtype, cfg, masks is not None, has_dlse, deterministic,
                        arch)
-    sq_pad = -(-Sq // pad) * pad
-    rank = walk.ranks(sq_pad // cfg.tile_m, higher_first) if deterministic and walk is not None else None
+    rank = walk.ranks(sq_pad // cfg.tile_m, turns) if deterministic and walk is not None else None
     sparse = None if walk is None else walk.tensors if bits is None else walk.tensors + (bits.words,)
     return _Plan(kernels, cfg, sq_pad, sparse, rank, tile_order,
                  (keyed_cfg, g, entry, *(block_mask or ()), walk, bits))

@@ -89,8 +89,8 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         # Captured-tensor gradients summed in per-thread runs before their atomics (`bwd_aux_grad.GradRun`); off for
         # generated code that does not add through `add_aux_grad` (it would index the buffers itself).
         self.grad_runs = grad_runs and aux_grad is not None
-        # Deterministic: the dQ partials of one query tile are reduced in increasing KV-tile order (a semaphore per
-        # tile and warpgroup half), so the fp32 sums, and so dQ, are the same bits on every run.
+        # Deterministic: the dQ partials of one query tile are reduced in a fixed order of KV tiles (a semaphore per
+        # tile and warpgroup half, taken in turn), so the fp32 sums, and so dQ, are the same bits on every run.
         self.deterministic = deterministic
         self.tile_m, self.tile_n, self.head_dim = cfg.tile_m, cfg.tile_n, cfg.head_dim
         self.mask_early = cfg.mask_early
