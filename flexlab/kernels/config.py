@@ -69,6 +69,14 @@ STORE_MASK_BITS = True
 # (benchmarks/results/fwd_d64_bits_tiles_sweep_h200_2026-11-30.json): 0.92x at 4.0 blocks per tile (B4 S4k), 1.07x
 # at ~8.5 (B2 S8k), 1.08x at 17.3 (B1 S16k). Short tiles lose to the longer prologue of three 192-row slabs.
 D64_BITS_TILE192_MIN_MEAN_KV_BLOCKS = 6.0
+# Block-mask, score_mod and persistent kernels at D <= 128 tie each step's K release to its first probability
+# (`FwdConfig.anchored_release`) and mark the stage warp-uniform (`FwdConfig.uniform_stage`). H200, kernel time
+# against the earlier default, interleaved rounds, with the anchor in inline-mask partial loops too
+# (benchmarks/results/fwd_anchored_release_h200_2026-12-01.json):
+# causal 1.05x at B1 S16k and 1.11x at B4 S4k, sliding window 1.05x, ALiBi 1.14x, dense B8 S1k (persistent) 1.03x,
+# D=64 causal 1.02x, soft-cap 1.00x, documents 0.99x. The plain dense kernels, which ptxas already schedules that
+# way, stay as they are (0.98-0.99x with it).
+ANCHORED_RELEASE = True
 
 
 @dataclass(frozen=True)
@@ -110,7 +118,8 @@ class FwdConfig:
     # D=128 step: 481 -> 467 SASS instructions with dynamic tiles, 449 -> 452 one CTA per tile. H200 sweep
     # (benchmarks/results/fwd_uniform_stage_sweep_h200_2026-11-30.json): 0.94-1.00x of the baseline on the D=128
     # dense, causal, ALiBi and soft-cap rows, with dynamic tiles 0.89-1.01x; no row faster beyond the baseline's own
-    # spread (its repeat read 0.86-1.01x in that run). Kept off.
+    # spread (its repeat read 0.86-1.01x in that run). Off alone; on with `anchored_release`, whose rearranged step
+    # it trims (causal 486 -> 471 instructions per step).
     uniform_stage: bool = False
     # Dense grids only: two CTAs with neighbouring Q tiles of one head form a cluster, and each loads half of every
     # K/V block and multicasts it to both, halving K/V requests to L2. Nsight, dense B4 S4k: our kernel moved 4.1 GB
@@ -124,6 +133,15 @@ class FwdConfig:
     # dense D=128 main loops (449 and 455 SASS instructions, the same 16 HGMMA) and producer loops. H200, 9 core
     # rows: 0.97-1.02x, 0.997x geometric mean (fwd_try_wait_first_h200_2026-12-01.json); off.
     try_wait_first: bool = False
+    # The K stage's release in each overlapped step is tied to the step's first probability
+    # (`stage_waits.release_after`), and ptxas keeps the step's wait for the P.V GEMM behind that release. Left free,
+    # ptxas hoisted both above the exponentials in every kernel but the plain dense one (CPU compile, SASS: the wait
+    # before the first of 66 MUFU.EX2 under a block mask, after 8 in the dense kernel, after 9-14 with this), so the
+    # softmax waited for the P.V GEMM it was meant to overlap. Nsight on causal B1·S16k: 10.3 k of 172 k stall samples
+    # on that wait, none in FA4's kernel. Partial blocks that evaluate mask_mod inline keep ptxas's schedule (there it
+    # raised heavy masks' spills). On by default with a mask or score_mod and in persistent kernels at D <= 128
+    # (`ANCHORED_RELEASE`), with `uniform_stage`.
+    anchored_release: bool = False
     # Debug only, never set by the public API: stages removed for timing (names in ABLATIONS; results are wrong).
     ablate: tuple[str, ...] = ()
 
@@ -225,17 +243,25 @@ def default_config(head_dim: int, block_sparse: bool = False, has_score_mod: boo
     at 192 rows spills 56 bytes, the clamped gathers' addresses). Dense D=64 also pairs CTAs into K/V multicast
     clusters (`D64_DENSE_CLUSTER_M`).
     """
+    anchored = anchored_options(head_dim, block_sparse or has_score_mod)
     if head_dim <= 64:
         if not block_sparse and not has_score_mod:  # H200, B4 S4k: 496 TFLOP/s vs 465 with 2 stages, 430 at 128 rows
             return FwdConfig(head_dim=64, tile_m=192, tile_n=128, num_stages=3, cluster_m=D64_DENSE_CLUSTER_M)
         if block_sparse and not has_score_mod and not captured_tensors and D64_SPARSE_TILE_M == 192:
-            return FwdConfig(head_dim=64, tile_m=192, tile_n=128, num_stages=3)
-        return FwdConfig(head_dim=64, tile_m=128, tile_n=128, num_stages=2)
+            return FwdConfig(head_dim=64, tile_m=192, tile_n=128, num_stages=3, **anchored)
+        return FwdConfig(head_dim=64, tile_m=128, tile_n=128, num_stages=2, **anchored)
     if head_dim <= 128:  # H200, B1 S16k: 633 TFLOP/s; tile_n=176 gave 635 (noise)
-        return FwdConfig(head_dim=128, tile_m=128, tile_n=128, num_stages=d128_stages(seqlen_k))
+        return FwdConfig(head_dim=128, tile_m=128, tile_n=128, num_stages=d128_stages(seqlen_k), **anchored)
     # D=256: 80-key tiles fill shared memory with two stages; dense 1.01-1.03x of 64 at B4·S4k and B1·S16k, equal at
     # B8·S1k (benchmarks/results/fwd_d256_tile_n{64,80}_h200_2026-12-01.json). A block mask needs a divisor of 128.
     return FwdConfig(head_dim=256, tile_m=128, tile_n=64 if block_sparse else 80, num_stages=2)
+
+
+def anchored_options(head_dim: int, wanted: bool) -> dict:
+    """`FwdConfig` fields of the anchored K release (`ANCHORED_RELEASE`) where it applies, else none."""
+    if wanted and ANCHORED_RELEASE and head_dim <= 128:
+        return {"anchored_release": True, "uniform_stage": True}
+    return {}
 
 
 def d128_stages(seqlen_k: int | None) -> int:

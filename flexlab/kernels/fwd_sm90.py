@@ -50,7 +50,7 @@ from .mask import (FRAGMENT_ROWS, apply_fragment_bits, apply_mask_bits, apply_ma
 from .named_barrier import FwdBarrier
 from .score_mod import apply_score_mod
 from .softmax import OnlineSoftmax, rescale_rows
-from .stage_waits import acquire_empty, wait_full
+from .stage_waits import acquire_empty, release_after, wait_full
 from .tile_scheduler import claim_tile, cluster_pair_tile, current_tile, hand_over_tile, take_tile, tile_coords
 
 LOG2_E = math.log2(math.e)
@@ -527,7 +527,12 @@ class FlexFwdSm90:
             mask_mod_bits(keep_bits, coords, self.mask_mod, batch, head, q_start, n_block * self.tile_n, q_last,
                           kv_last, self.clamp_indices, aux_tensors, aux_scalars)
         warpgroup.wait_group(0 if no_pv else 1)  # S_i ready; PV still on the tensor cores
-        pipe_k.consumer_release(state)
+        # Partial blocks that evaluate mask_mod keep ptxas's schedule: a mask's live values beside a P.V operand held
+        # longer raised spills (gallery block_diffusion 156 -> 216 bytes).
+        anchored = cutlass.const_expr(self.cfg.anchored_release and with_softmax
+                                      and (not use_mask_mod or self.mask_mod is None or stored is not None))
+        if cutlass.const_expr(not anchored):
+            pipe_k.consumer_release(state)
         if cutlass.const_expr(not (self.cfg.early_block_index or early_mask)):
             n_block = sched.block_of_kind(i, use_mask_mod)
         self.mod_scores(acc_S, coords, n_block, seqlen_k, mods, use_mask_mod and not early_mask, False, words)
@@ -535,6 +540,8 @@ class FlexFwdSm90:
             apply_mask_bits(acc_S, keep_bits)
         if cutlass.const_expr(with_softmax):
             softmax.step(acc_S, row_scale)
+        if cutlass.const_expr(anchored):
+            release_after(pipe_k, state, acc_S[0])  # once the first probability is known
         warpgroup.wait_group(0)
         pipe_v.consumer_release(prev)
         convert_to_16bit(as_operand_a(acc_S), tOrP)

@@ -7,6 +7,12 @@ the first miss. Trace-time choice: without it the generated code is the plain wa
 """
 from __future__ import annotations
 
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
 
 def wait_full(pipe, state, try_first: bool) -> None:
     """A consumer's wait until the stage `state` points at has been filled."""
@@ -22,3 +28,27 @@ def acquire_empty(pipe, state, try_first: bool) -> None:
         pipe.producer_acquire(state, pipe.producer_try_acquire(state))
     else:
         pipe.producer_acquire(state)
+
+
+# Bits no arithmetic produces (the hardware's NaN is 0x7FFFFFFF): `release_after` compares against them.
+_NEVER_BITS = -0x3FFFFF  # 0xFFC00001 as a signed 32-bit value
+
+
+@dsl_user_op
+def _float_bits(x: Float32, *, loc=None, ip=None) -> Int32:
+    return Int32(llvm.inline_asm(T.i32(), [Float32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,f",
+                                 has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@cute.jit
+def release_after(pipe, state, anchor: Float32):
+    """`pipe.consumer_release(state)`, whose arrive ptxas cannot schedule before `anchor` is computed.
+
+    The arrive count is 1 unless `anchor` holds bits no arithmetic produces: always 1, but ptxas must wait for
+    `anchor` to know it. ptxas keeps a warpgroup's later `wgmma.wait_group` behind this arrive; left alone, it hoists
+    both to the top of the forward's softmax (in every kernel but the plain dense one), so the exponentials waited
+    for the P.V GEMM they were meant to overlap (`FwdConfig.anchored_release`)."""
+    count = cutlass.select_(_float_bits(anchor) == Int32(_NEVER_BITS), Int32(2), Int32(1))
+    if pipe.is_signaling_thread:
+        cute.arch.mbarrier_arrive(pipe.sync_object_empty.get_barrier(state.index), pipe.consumer_mask,
+                                  arrive_count=count)

@@ -100,7 +100,8 @@ def _config(head_dim: int, sparse: bool, has_score_mod: bool, d128_stage_count: 
 @lru_cache(maxsize=None)
 def _dynamic(cfg: FwdConfig, num_sms: int) -> FwdConfig:
     """`cfg` as persistent CTAs, one per SM, taking tiles from a counter (no cluster partner to share K/V with)."""
-    return dataclasses.replace(cfg, persistent_ctas=num_sms, cluster_m=1, dynamic_tiles=True)
+    return dataclasses.replace(cfg, persistent_ctas=num_sms, cluster_m=1, dynamic_tiles=True,
+                               **_policy.anchored_options(cfg.head_dim, True))
 
 
 @lru_cache(maxsize=None)

@@ -101,23 +101,30 @@ def sass_gemm_loop(sass: str) -> Counter:
 def sass_gemm_loops(sass: str) -> list[Counter]:
     """Opcode counts of every loop that issues HGMMA, in program order (a masked forward has two: partial blocks,
     then full blocks). Loops end in a predicated backward branch."""
-    ops: list[str] = []
+    return [Counter(_SASS_LINE.search(f"/*0000*/ {ins}").group(1) for ins in body)
+            for body in sass_gemm_loop_bodies(sass)]
+
+
+def sass_gemm_loop_bodies(sass: str) -> list[list[str]]:
+    """The instructions (opcode and operands, predicate dropped) of every loop that issues HGMMA, in issue order: where
+    ptxas placed a wait or a barrier inside a step, which opcode counts cannot say."""
+    body_text: list[str] = []
     labels: dict[str, int] = {}
-    loops: list[Counter] = []
+    loops: list[list[str]] = []
     for line in sass.splitlines():
         label = _SASS_LABEL.match(line.strip())
         if label:
-            labels[label.group(1)] = len(ops)
+            labels[label.group(1)] = len(body_text)
             continue
         m = _SASS_LINE.search(line)
         if not m:
             continue
-        ops.append(m.group(1))
+        body_text.append(line[m.start(1):].split(";")[0].strip())
         target = _SASS_BRANCH_TARGET.search(line)
         if target and target.group(1) in labels:  # a label already seen: a backward branch
-            body = ops[labels[target.group(1)]:]
-            if any(op.startswith("HGMMA") for op in body):
-                loops.append(Counter(body))
+            body = body_text[labels[target.group(1)]:]
+            if any(ins.startswith("HGMMA") for ins in body):
+                loops.append(body)
     return loops
 
 
@@ -154,6 +161,7 @@ class CompileReport:
     opcodes: Counter = field(default_factory=Counter)
     loop_opcodes: Counter = field(default_factory=Counter)  # the main (HGMMA) loop's body, `sass_gemm_loop`
     gemm_loops: list = field(default_factory=list)  # every HGMMA loop's opcodes, in program order
+    gemm_loop_bodies: list = field(default_factory=list)  # the same loops' instructions in issue order
     missing: list = field(default_factory=list)
     errors: list = field(default_factory=list)
     ptx_text: Optional[str] = field(default=None, repr=False)
@@ -263,6 +271,7 @@ def report_from_ptx(ptx: str, *, kernel: str = "kernel", arch: str = "sm_90a", c
         rep.opcodes = sass_opcodes(dis.stdout)
         rep.loop_opcodes = sass_gemm_loop(dis.stdout)
         rep.gemm_loops = sass_gemm_loops(dis.stdout)
+        rep.gemm_loop_bodies = sass_gemm_loop_bodies(dis.stdout)
     return rep
 
 

@@ -50,6 +50,7 @@ def main(argv=None) -> int:
                     "each at every --head-dims; with --no-basic, nothing else")
     ap.add_argument("--head-dims", default="64,128,256", help="head dims of the basic and --variants cases")
     ap.add_argument("--no-basic", action="store_true", help="skip the dense, GQA and causal-window cases")
+    ap.add_argument("--deterministic", action="store_true", help="run each gallery case in deterministic mode too")
     args = ap.parse_args(argv)
     if args.config != "default":
         from flexlab.kernels import bwd_launch
@@ -79,7 +80,9 @@ def main(argv=None) -> int:
             trainable = [mods.tensors[t].requires_grad_(True) for t in variant.trainable]
             bm = flexlab.create_block_mask(mods.mask_mod, 1, 4, S, S, device="cuda") if mods.mask_mod else None
             _run(S, S, D, 2, mods.score_mod, bm, trainable)
-            print(f"ran {name} S={S} D={D}", flush=True)
+            if args.deterministic:
+                _run(S, S, D, 2, mods.score_mod, bm, trainable, deterministic=True)
+            print(f"ran {name} S={S} D={D}{' (and deterministic)' if args.deterministic else ''}", flush=True)
     return 0
 
 

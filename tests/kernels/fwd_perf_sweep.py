@@ -113,9 +113,10 @@ def variants_for(row, base, num_sms: int) -> list[Variant]:
         cand = [Variant("persistent", "candidate", rep(base, persistent_ctas=num_sms, cluster_m=1),
                         f"{num_sms} CTAs loop over tiles; O in its own buffer when it fits")]
     if not base.dynamic_tiles:
-        cand.append(Variant("dynamic", "candidate", rep(base, persistent_ctas=base.persistent_ctas or num_sms,
-                                                        cluster_m=1, dynamic_tiles=True),
-                            "persistent CTAs claim tiles from a global counter, in launch order"))
+        from flexlab.runtime.launch import _dynamic
+        cand.append(Variant("dynamic", "candidate", _dynamic(base, base.persistent_ctas or num_sms),
+                            "persistent CTAs claim tiles from a global counter, in launch order (as the launcher "
+                            "builds them)"))
     else:
         cand.append(Variant("static_persistent", "candidate", rep(base, dynamic_tiles=False),
                             "persistent CTAs take every G-th tile"))
@@ -153,13 +154,15 @@ def variants_for(row, base, num_sms: int) -> list[Variant]:
                             "2-CTA clusters share each K/V load (TMA multicast)"))
     elif base.cluster_m > 1:
         cand.append(Variant("no_cluster", "candidate", rep(base, cluster_m=1), "every CTA loads its own K/V"))
-    cand.append(Variant("uniform_stage", "candidate", rep(base, uniform_stage=True),
-                        "the stage index marked warp-uniform at the GEMM descriptors"))
-    if not base.dynamic_tiles:
-        cand.append(Variant("dynamic+uniform_stage", "candidate",
-                            rep(base, persistent_ctas=base.persistent_ctas or num_sms, cluster_m=1,
-                                dynamic_tiles=True, uniform_stage=True),
-                            "dynamic tiles with the stage index marked warp-uniform"))
+    if base.anchored_release:
+        cand.append(Variant("free_release", "candidate", rep(base, anchored_release=False, uniform_stage=False),
+                            "K release and P.V wait where ptxas puts them"))
+    else:
+        cand.append(Variant("anchored_release", "candidate", rep(base, anchored_release=True, uniform_stage=True),
+                            "K release tied to the first probability, stage index warp-uniform"))
+        cand.append(Variant("uniform_stage", "candidate", rep(base, uniform_stage=True),
+                            "the stage index marked warp-uniform at the GEMM descriptors"))
+
     cand += [Variant("exp2_poly2", "candidate", rep(base, exp2_poly=2), "2 of 8 exponentials on the FMA pipe"),
              Variant("exp2_poly4", "candidate", rep(base, exp2_poly=4), "4 of 8 exponentials on the FMA pipe"),
              Variant("rescale_before_pv", "candidate", rep(base, rescale_before_pv=True),
@@ -807,7 +810,6 @@ def main(argv=None) -> int:
 def _variant_names(row, num_sms: int, selftest: bool = False) -> list[str]:
     """Variant names of a row, from the configuration the launcher picks for it (mods built on the CPU; with
     `selftest`, from the row's kind alone)."""
-    from flexlab.runtime import launch
     if selftest:
         from flexlab.kernels.config import default_config
         has_score, has_mask = row_mods_kind(row.variant)

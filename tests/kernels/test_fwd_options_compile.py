@@ -271,7 +271,8 @@ def test_uniform_stage_shortens_the_persistent_step():
     key, kmods, cfg = _forward_key(None, None, "bfloat16", 128, None, "sm_90a")
     steps = {}
     for uniform in (False, True):
-        k = dataclasses.replace(key, config=dataclasses.replace(_dynamic(cfg, 132), uniform_stage=uniform))
+        k = dataclasses.replace(key, config=dataclasses.replace(_dynamic(cfg, 132), uniform_stage=uniform,
+                                                                anchored_release=False))
         rep = report_from_ptx(forward_ptx(k, kmods))
         if rep.missing:
             pytest.skip(f"needs {rep.missing}")
@@ -296,3 +297,56 @@ def test_try_wait_first_adds_a_fast_check_before_the_sleeping_wait():
     assert ptx[True].count("mbarrier.try_wait.parity.acquire") == 10
     assert ptx[True].count("mbarrier.try_wait.parity.shared.b64") == ptx[False].count(
         "mbarrier.try_wait.parity.shared.b64")
+
+
+def _pv_wait_positions(score_mod, mask_mod, **config):
+    """For each overlapped-step loop of the forward kernel built for these mods (the launcher's configuration, with
+    `config` replaced): (exponentials issued before the step waits for the P.V GEMM, exponentials in the step)."""
+    from flexlab.runtime.compile import forward_ptx
+    from flexlab.viz.compile_report import _forward_key, report_from_ptx
+    key, kmods, cfg = _forward_key(score_mod, mask_mod, "bfloat16", config.pop("head_dim", 128), None, "sm_90a")
+    rep = report_from_ptx(forward_ptx(dataclasses.replace(key, config=dataclasses.replace(cfg, **config)), kmods))
+    if rep.missing:
+        pytest.skip(f"needs {rep.missing}")
+    assert rep.spill_store_bytes == 0 and rep.spill_load_bytes == 0
+    out = []
+    for body in rep.gemm_loop_bodies:
+        if [ins for ins in body if ins.startswith("WARPGROUP.DEPBAR")] != ["WARPGROUP.DEPBAR.LE gsb0, 0x1",
+                                                                          "WARPGROUP.DEPBAR.LE gsb0, 0x0"]:
+            continue  # not one overlapped step (the persistent kernel's tile loop holds the step loops)
+        exp2 = [i for i, ins in enumerate(body) if ins.startswith("MUFU.EX2")]
+        wait = body.index("WARPGROUP.DEPBAR.LE gsb0, 0x0")
+        out.append((sum(1 for i in exp2 if i < wait), len(exp2)))
+    assert out, "no overlapped-step loop found in the SASS"
+    return out
+
+
+def test_anchored_release_keeps_the_softmax_beside_the_pv_gemm():
+    """`FwdConfig.anchored_release`: ptxas may wait for a step's P.V GEMM anywhere before the probabilities are
+    written over its register operand. Left free, it waits before the first exponential in block-sparse and
+    persistent kernels (the softmax then overlaps nothing); with the K release tied to the first probability, the
+    wait comes after the first exponentials, as in the plain dense kernel (which keeps ptxas's own schedule). Partial
+    blocks that evaluate mask_mod inline keep ptxas's schedule (held longer, the P.V operand raised a heavy mask's
+    spills); partial blocks that read stored mask bits take the anchor too."""
+    from flexlab.gallery import load_gallery
+    from flexlab.runtime.launch import _dynamic
+    gallery = load_gallery()
+    causal = gallery["causal"].build(1, 1, 256, 256, device="cpu").mask_mod
+    alibi = gallery["alibi"].build(1, 2, 256, 256, device="cpu")
+    document = gallery["document"].build(1, 2, 256, 256, device="cpu")
+    persistent = _dynamic(default_config(128), 132)
+    cases = {"dense": _pv_wait_positions(None, None),
+             "causal, full blocks": _pv_wait_positions(None, causal)[1:],
+             "alibi": _pv_wait_positions(alibi.score_mod, alibi.mask_mod),
+             "causal D=64, full blocks": _pv_wait_positions(None, causal, head_dim=64)[1:],
+             "documents (stored bits), both loops": _pv_wait_positions(document.score_mod, document.mask_mod),
+             "dense persistent": _pv_wait_positions(None, None, persistent_ctas=persistent.persistent_ctas,
+                                                    dynamic_tiles=True, anchored_release=True, uniform_stage=True)}
+    assert len(cases["documents (stored bits), both loops"]) == 2  # partial and full blocks
+    for name, loops in cases.items():
+        assert loops, name
+        for before, total in loops:
+            assert total >= 64 and 1 <= before < total // 2, (name, loops)
+    free = _pv_wait_positions(None, causal, anchored_release=False, uniform_stage=False)
+    assert len(free) == 2 and all(before == 0 for before, _ in free), free  # why the option exists (drop it if
+    # ptxas stops hoisting the wait)
