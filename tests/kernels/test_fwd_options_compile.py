@@ -160,8 +160,11 @@ def test_masked_kernel_loops_carry_no_key_tail_test():
     per element in the partial-block loop (744 instructions for causal; 619 without)."""
     from flexlab.viz.compile_report import report_from_ptx
     loops = {}
+    masked = default_config(128, True)
     for kind in ("dense", "causal"):
-        ptx, _ = _compile(default_config(128, kind != "dense"), kind)
+        # the dense kernel with the masked one's step options (`anchored_release`, `uniform_stage`): like for like
+        ptx, _ = _compile(dataclasses.replace(default_config(128), anchored_release=masked.anchored_release,
+                                              uniform_stage=masked.uniform_stage) if kind == "dense" else masked, kind)
         rep = report_from_ptx(ptx)
         if rep.missing:
             pytest.skip(f"needs {rep.missing}")

@@ -35,11 +35,14 @@ def test_launcher_defaults_are_the_measured_configs(fresh_policy, D, sparse, sco
                 mean = -(-seqlen // base.tile_n)
             short = mean is not None and mean <= policy.DYNAMIC_MAX_MEAN_KV_BLOCKS and base.cluster_m == 1
             assert (cfg.persistent_ctas, cfg.dynamic_tiles) == ((132, True) if short else (0, False)), (seqlen, cfg)
-            assert dataclasses.replace(cfg, persistent_ctas=0, dynamic_tiles=False) == base
+            # persistent kernels tie the K release to the first probability (`FwdConfig.anchored_release`)
+            expected = dataclasses.replace(base, **policy.anchored_options(D, True)) if short else base
+            assert dataclasses.replace(cfg, persistent_ctas=0, dynamic_tiles=False) == expected
             assert cfg.feasibility_error() is None and cfg.ablate == () and cfg.exp2_poly == 0
             assert not cfg.rescale_before_pv and not cfg.early_block_index
             assert launch.config_for(D, sparse, mods, seqlen, mean_kv_blocks=mean).persistent_ctas == 0  # no SM count
     assert default_config(128).num_stages == 2 and default_config(64, block_sparse=True).tile_m == 192
+    assert base.anchored_release == (D <= 128 and (sparse or score_mod)) == base.uniform_stage
 
 
 def test_stage_table_picks_three_stages_for_long_keys(fresh_policy):
