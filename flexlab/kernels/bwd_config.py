@@ -112,6 +112,11 @@ class BwdConfig:
     # a suspend-time hint before the wait loop that lets warps sleep (`FwdConfig.try_wait_first`). Timed in turns:
     # 0.95-1.02x of the default's main kernel (bwd_step_candidates_h200_2026-12-01.json); off.
     try_wait_first: bool = False
+    # Each consumer warp arrives on an mbarrier that nobody waits on, with an arrive count computed from the step's
+    # first probability (`stage_waits.arrive_after`), just before the wait for dP^T: ptxas keeps that wait behind the
+    # arrive. Left free, it hoisted the wait above every exponential of P in the block-mask kernels (dense: after 6
+    # of 40), so P was formed after dP^T instead of beside it (the forward's `FwdConfig.anchored_release`).
+    anchored_wait: bool = False
     # dQ is computed transposed, dQ^T = K^T dS^T: the head dim on wgmma's M axis (64 per consumer warpgroup) and
     # the query rows on N, so a step may take any multiple of 16 rows, not only 64 or 128 (`DENSE_TILE_M`).
     dq_swap_ab: bool = False
@@ -156,7 +161,7 @@ class BwdConfig:
         tile buffer aligned to 1 KiB (the 128-byte swizzle repeats every 1 KiB)."""
         def up(n):
             return -(-n // 1024) * 1024
-        head = 8 * (2 + 2 * self.num_stages)  # mbarriers: K/V full+empty, Q/dO full+empty per stage
+        head = 8 * (2 + 2 * self.num_stages + self.anchored_wait)  # mbarriers: K/V, Q/dO per stage, the anchor
         if self.stats_in_smem:
             head += 2 * self.num_stages * self.tile_m * 4
         kv = 2 * self.tile_n * self.head_dim * self.dtype_bytes  # K and V (reused for dK, dV in the epilogue)
@@ -312,6 +317,7 @@ def candidate_bwd_configs(head_dim: int, deterministic: bool = False, mod_grads:
         # mask_mod before or after the S^T wait, whichever the default does not do
         "mask_late" if base.mask_early else "mask_early": replace(base, mask_early=not base.mask_early),
         "try_wait_first": replace(base, try_wait_first=True),
+        "anchored_wait" if not base.anchored_wait else "free_wait": replace(base, anchored_wait=not base.anchored_wait),
     }
     if base.dq_swap_ab:  # (no block mask: 80 divides no mask block size, so no other Q-step question either)
         cands["tile_m64"] = replace(base, tile_m=64, dq_swap_ab=False)

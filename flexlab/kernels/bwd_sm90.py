@@ -138,6 +138,8 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         LSE2/D rows first, then the tile buffers, 1 KiB aligned for the 128-byte swizzle."""
         Align, MemRange = cute.struct.Align, cute.struct.MemRange
         fields = {"mbar_kv": MemRange[Int64, 2], "mbar_qdo": MemRange[Int64, 2 * self.num_stages]}
+        if self.cfg.anchored_wait:  # nobody waits on it (`stage_waits.arrive_after`)
+            fields["mbar_anchor"] = MemRange[Int64, 1]
         if self.stats_in_smem:  # bulk-copy destinations: 16-byte aligned
             rows = self.tile_m * self.num_stages
             fields.update(sLSE2=Align[MemRange[Float32, rows], 16], sDpsum=Align[MemRange[Float32, rows], 16])
@@ -264,6 +266,10 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         pipe_qdo = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_qdo.data_ptr(), num_stages=self.num_stages, producer_group=tma_thread,
             consumer_group=consumer_warps, tx_count=2 * q_bytes + self.stats_bytes(), defer_sync=True)
+        if cutlass.const_expr(self.cfg.anchored_wait):
+            if warp_idx == 0:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_init(storage.mbar_anchor.data_ptr(), 1)
         pipeline.pipeline_init_arrive()
 
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
@@ -366,7 +372,8 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         ops = StepOperands(tSrK=tSrK, tSrQ=tSrQ, tPrV=tPrV, tPrdO=tPrdO, tVrdOt=tVrdOt, tKrQt=tKrQt, tVrP=tVrP,
                            tKVsA=tKVsA, tQrdS=tQrdS, tQrKt=tQrKt, s_shape=s_shape, dq_shape=dq_shape,
                            coords=coords, st_ds=st_ds, thr_st_ds=thr_st_ds, tdSsdS=tdSsdS,
-                           dq_store_view=dq_store_view, sLSE2=sLSE2, sDpsum=sDpsum, stored=None)
+                           dq_store_view=dq_store_view, sLSE2=sLSE2, sDpsum=sDpsum, stored=None,
+                           anchor_mbar=storage.mbar_anchor.data_ptr() if self.cfg.anchored_wait else None)
         if cutlass.const_expr(bits is not None):  # (bits, KV tile, this thread's first key row, its word = lane % 4)
             ops.stored = (bits, n_block, coords[0][1], coords[0][0] // 2)
         tight = self.stats_in_smem and (sparse is not None or self.tile_m > 64)

@@ -26,7 +26,7 @@ from .mask import (FRAGMENT_ROWS, apply_fragment_bits, apply_mask_bits, apply_ma
                    load_fragment_bits, mask_kv_tail, mask_mod_bits)
 from .named_barrier import BwdBarrier
 from .score_mod import apply_score_mod
-from .stage_waits import wait_full
+from .stage_waits import arrive_after, wait_full
 
 
 @dsl_user_op
@@ -43,8 +43,9 @@ class StepOperands(SimpleNamespace):
     (tKVsA: dS^T at stages 0-1, P^T at 2-3; None otherwise), the dS store (st_ds, thr_st_ds, and tdSsdS, or None and a
     `ds_store_view()` that rebuilds it), the builder of the dQ slab view (dq_store_view), the accumulator shapes
     (s_shape, dq_shape), the (q, kv) coordinates of the transposed score accumulator (coords), with stats_in_smem the
-    per-stage LSE2/D rows in shared memory (sLSE2, sDpsum; None otherwise) and, with mask_bits, where this thread's
-    stored mask bits are (stored: bits, KV tile, first key row, word; None otherwise)."""
+    per-stage LSE2/D rows in shared memory (sLSE2, sDpsum; None otherwise), with mask_bits, where this thread's
+    stored mask bits are (stored: bits, KV tile, first key row, word; None otherwise), and with `anchored_wait` the
+    mbarrier the step arrives on before its dP^T wait (anchor_mbar; None otherwise)."""
 
 
 class BwdStep:
@@ -143,6 +144,8 @@ class BwdStep:
                 convert_to_16bit(acc_S, rP)
                 tdSsdS = ops.tdSsdS if ops.tdSsdS is not None else ops.ds_store_view()
                 cute.copy(ops.st_ds, ops.thr_st_ds.retile(rP), tdSsdS[None, None, None, 2 + ds_index])
+            if cutlass.const_expr(ops.anchor_mbar is not None):
+                arrive_after(ops.anchor_mbar, s_cols[0, 0])  # dP^T's wait, once the first probability is known
             warpgroup.wait_group(0)
         # dS^T = P^T * (dP^T - D[q])
         dp_cols = rows_view(acc_dP)

@@ -1,9 +1,13 @@
-"""The two waits on a TMA pipeline's stages, shared by the forward and backward kernels.
+"""The waits and arrives on a TMA pipeline's stages, shared by the forward and backward kernels.
 
 `try_first` (`FwdConfig.try_wait_first`, `BwdConfig.try_wait_first`): one `mbarrier.try_wait` without a
 suspend-time hint comes first, and only a stage still not ready enters the wait loop whose hint lets the hardware
 put the warps to sleep (NANOSLEEP.SYNCS in the SASS). FA4's kernels wait that way in effect; the plain wait sleeps at
 the first miss. Trace-time choice: without it the generated code is the plain wait, unchanged.
+
+Anchored arrives (`release_after`, `arrive_after`): ptxas keeps a `wgmma.wait_group` behind an mbarrier arrive that
+precedes it in the program, but hoists arrives freely. An arrive whose count is computed from a value holds itself,
+and the wait behind it, until that value exists: the one handle we have on where ptxas waits for a GEMM.
 """
 from __future__ import annotations
 
@@ -40,6 +44,11 @@ def _float_bits(x: Float32, *, loc=None, ip=None) -> Int32:
                                  has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
+def _count_after(anchor: Float32) -> Int32:
+    """1, computed from `anchor` (2 only for bits no arithmetic produces)."""
+    return cutlass.select_(_float_bits(anchor) == Int32(_NEVER_BITS), Int32(2), Int32(1))
+
+
 @cute.jit
 def release_after(pipe, state, anchor: Float32):
     """`pipe.consumer_release(state)`, whose arrive ptxas cannot schedule before `anchor` is computed.
@@ -48,7 +57,17 @@ def release_after(pipe, state, anchor: Float32):
     `anchor` to know it. ptxas keeps a warpgroup's later `wgmma.wait_group` behind this arrive; left alone, it hoists
     both to the top of the forward's softmax (in every kernel but the plain dense one), so the exponentials waited
     for the P.V GEMM they were meant to overlap (`FwdConfig.anchored_release`)."""
-    count = cutlass.select_(_float_bits(anchor) == Int32(_NEVER_BITS), Int32(2), Int32(1))
+    count = _count_after(anchor)
     if pipe.is_signaling_thread:
         cute.arch.mbarrier_arrive(pipe.sync_object_empty.get_barrier(state.index), pipe.consumer_mask,
                                   arrive_count=count)
+
+
+@cute.jit
+def arrive_after(mbar, anchor: Float32):
+    """One arrive per warp on `mbar`, an mbarrier nobody waits on (initialised with count 1, so every arrive
+    completes a phase), that ptxas cannot schedule before `anchor` is computed: a wgmma wait that follows it in the
+    program stays behind it (`BwdConfig.anchored_wait`)."""
+    count = _count_after(anchor)
+    if cute.arch.lane_idx() == 0:
+        cute.arch.mbarrier_arrive(mbar, arrive_count=count)

@@ -126,6 +126,8 @@ CELLS = [  # (name, head dim, options, kernel flavour): each option in a few fla
                                        dq_split_rows=True), "det_mask"),
     ("try_wait_first-mask", 128, dict(try_wait_first=True), "mask"),
     ("try_wait_first-dense-d64", 64, dict(try_wait_first=True), "dense"),
+    ("anchored_wait-mask", 128, dict(anchored_wait=True), "mask"),
+    ("anchored_wait-mask-d64", 64, dict(anchored_wait=True), "mask"),
 ]
 
 

@@ -49,3 +49,38 @@ def test_main_loop_keeps_descriptors_in_uniform_registers(D, kind):
     assert loop.get("R2UR", 0) <= 8, loop
     assert loop.get("IMAD.X", 0) <= 2, loop
     assert sum(loop.values()) <= LOOP_BUDGET[D, kind], (sum(loop.values()), loop.most_common(12))
+
+
+def _dp_wait_positions(D: int, kind: str, **config) -> list[tuple[int, int]]:
+    """For each step loop of the backward built for `kind` with `config` replaced: (exponentials before the wait for
+    dP^T, exponentials in the step)."""
+    import dataclasses
+
+    from bwd_option_report import _mods, compile_ptx, key_for
+
+    from flexlab.kernels.bwd_launch import config_for
+    from flexlab.viz.compile_report import report_from_ptx
+    g, block_sparse, det = _mods(kind)
+    cfg = config_for(D, det, g, g is not None and any(g.aux_requires_grad), 128 if block_sparse else None)
+    rep = report_from_ptx(compile_ptx(key_for(dataclasses.replace(cfg, **config), g, block_sparse, det), g))
+    if rep.missing:
+        pytest.skip(f"needs {rep.missing}")
+    assert not rep.errors and rep.spill_store_bytes == 0, (rep.errors, rep.spill_store_bytes)
+    out = []
+    for body in rep.gemm_loop_bodies:
+        exp2 = [i for i, ins in enumerate(body) if ins.startswith("MUFU.EX2")]
+        if exp2:
+            wait = body.index("WARPGROUP.DEPBAR.LE gsb0, 0x0")  # the first full wait: dP^T's
+            out.append((sum(1 for i in exp2 if i < wait), len(exp2)))
+    assert out
+    return out
+
+
+def test_anchored_wait_forms_p_beside_the_dp_gemm():
+    """`BwdConfig.anchored_wait` (a sweep candidate): in the block-mask backward ptxas waits for dP^T before the
+    first exponential of P, so P is formed after that GEMM, not beside it (the dense kernel waits after a few); with
+    the wait behind an arrive computed from the first probability, it comes after the first exponentials."""
+    free = _dp_wait_positions(128, "mask")
+    anchored = _dp_wait_positions(128, "mask", anchored_wait=True)
+    assert all(before == 0 for before, _ in free), free  # why the option exists
+    assert all(1 <= before < total // 2 for before, total in anchored), anchored
