@@ -119,7 +119,7 @@ class FwdConfig:
     # (benchmarks/results/fwd_uniform_stage_sweep_h200_2026-11-30.json): 0.94-1.00x of the baseline on the D=128
     # dense, causal, ALiBi and soft-cap rows, with dynamic tiles 0.89-1.01x; no row faster beyond the baseline's own
     # spread (its repeat read 0.86-1.01x in that run). Off alone; on with `anchored_release`, whose rearranged step
-    # it trims (causal 486 -> 471 instructions per step).
+    # it trims (causal full-block step 486 -> 472 instructions).
     uniform_stage: bool = False
     # Dense grids only: two CTAs with neighbouring Q tiles of one head form a cluster, and each loads half of every
     # K/V block and multicasts it to both, halving K/V requests to L2. Nsight, dense B4 S4k: our kernel moved 4.1 GB
