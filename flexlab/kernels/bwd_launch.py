@@ -275,10 +275,8 @@ def walk_in_q_order(sparse: tuple, num_m_tiles: int) -> tuple:
     last_partial = torch.where(partial, idx, -1).amax(-1)
     first_full = torch.where(full, fidx, num_m_tiles).amin(-1)
     mixed = last_partial > first_full  # (Bm, Hm, KV tiles)
-    visits = torch.zeros(num.shape + (num_m_tiles + 1,), dtype=torch.bool, device=dev)
-    for listed, lists in ((partial, idx), (full, fidx)):
-        visits.scatter_(-1, torch.where(listed, lists.long(), num_m_tiles), True)
-    ascending = torch.where(visits[..., :num_m_tiles], col[:num_m_tiles], num_m_tiles).sort(-1).values
+    visits = visited_q_tiles(sparse, num_m_tiles)
+    ascending = torch.where(visits, col[:num_m_tiles], num_m_tiles).sort(-1).values
     width = max(idx.shape[-1], num_m_tiles)
     own = torch.nn.functional.pad(idx, (0, width - idx.shape[-1]))
     merged = torch.nn.functional.pad(ascending.clamp(max=num_m_tiles - 1), (0, width - num_m_tiles))
@@ -367,16 +365,19 @@ def visit_ranks(sparse: tuple, num_m_tiles: int, higher_first: bool = False) -> 
     `higher_first`, higher ones) visit it too.
 
     Deterministic mode reduces dQ partials in this order; KV tiles that skip a Q tile are not waited for."""
-    num, idx, fnum, fidx = sparse
-    Bm, Hm, n_kv = num.shape
-    visits = torch.zeros((Bm, Hm, n_kv, num_m_tiles + 1), dtype=torch.int32, device=num.device)
-    for count, lists in ((num, idx), (fnum, fidx)):
-        listed = torch.arange(lists.shape[-1], device=num.device) < count.unsqueeze(-1)
-        target = torch.where(listed, lists.long(), torch.full_like(lists, num_m_tiles, dtype=torch.long))
-        visits.scatter_(-1, target, 1)
-    visits = visits[..., :num_m_tiles]
+    visits = visited_q_tiles(sparse, num_m_tiles).to(torch.int32)
     before = visits.flip(2).cumsum(dim=2).flip(2) if higher_first else visits.cumsum(dim=2)
     return (before - visits).to(torch.int32).contiguous()
+
+
+def visited_q_tiles(sparse: tuple, num_m_tiles: int) -> torch.Tensor:
+    """(Bm, Hm, KV tiles, Q tiles) bool: which Q tiles each KV tile's lists (partial or full) visit."""
+    num, idx, fnum, fidx = sparse
+    visits = torch.zeros(num.shape + (num_m_tiles + 1,), dtype=torch.bool, device=num.device)
+    for count, lists in ((num, idx), (fnum, fidx)):
+        listed = torch.arange(lists.shape[-1], device=num.device) < count.unsqueeze(-1)
+        visits.scatter_(-1, torch.where(listed, lists.long(), num_m_tiles), True)
+    return visits[..., :num_m_tiles]
 
 
 @lru_cache(maxsize=None)

@@ -101,8 +101,12 @@ def sass_gemm_loop(sass: str) -> Counter:
 def sass_gemm_loops(sass: str) -> list[Counter]:
     """Opcode counts of every loop that issues HGMMA, in program order (a masked forward has two: partial blocks,
     then full blocks). Loops end in a predicated backward branch."""
-    return [Counter(_SASS_LINE.search(f"/*0000*/ {ins}").group(1) for ins in body)
-            for body in sass_gemm_loop_bodies(sass)]
+    return [loop_opcodes(body) for body in sass_gemm_loop_bodies(sass)]
+
+
+def loop_opcodes(body: list[str]) -> Counter:
+    """Full opcode -> count of one loop body from `sass_gemm_loop_bodies` (each instruction starts with its opcode)."""
+    return Counter(ins.split()[0] for ins in body)
 
 
 def sass_gemm_loop_bodies(sass: str) -> list[list[str]]:
@@ -270,8 +274,8 @@ def report_from_ptx(ptx: str, *, kernel: str = "kernel", arch: str = "sm_90a", c
             return rep
         rep.opcodes = sass_opcodes(dis.stdout)
         rep.loop_opcodes = sass_gemm_loop(dis.stdout)
-        rep.gemm_loops = sass_gemm_loops(dis.stdout)
         rep.gemm_loop_bodies = sass_gemm_loop_bodies(dis.stdout)
+        rep.gemm_loops = [loop_opcodes(body) for body in rep.gemm_loop_bodies]
     return rep
 
 
