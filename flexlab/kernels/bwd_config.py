@@ -115,7 +115,9 @@ class BwdConfig:
     # Each consumer warp arrives on an mbarrier that nobody waits on, with an arrive count computed from the step's
     # first probability (`stage_waits.arrive_after`), just before the wait for dP^T: ptxas keeps that wait behind the
     # arrive. Left free, it hoisted the wait above every exponential of P in the block-mask kernels (dense: after 6
-    # of 40), so P was formed after dP^T instead of beside it (the forward's `FwdConfig.anchored_release`).
+    # of 40), so P was formed after dP^T instead of beside it (the forward's `FwdConfig.anchored_release`). Timed in
+    # turns: 0.98-1.02x of the default's main kernel on seven masked rows
+    # (bwd_anchored_wait_sweep_h200_2026-12-01.json); off.
     anchored_wait: bool = False
     # dQ is computed transposed, dQ^T = K^T dS^T: the head dim on wgmma's M axis (64 per consumer warpgroup) and
     # the query rows on N, so a step may take any multiple of 16 rows, not only 64 or 128 (`DENSE_TILE_M`).

@@ -93,7 +93,11 @@ def sass_gemm_loop(sass: str) -> Counter:
     """Full opcode -> count over the kernel's main loop: the smallest span between a label and a backward branch to
     it that issues HGMMA and, if any such loop does, exp2 (MUFU.EX2: an attention step, not a GEMM-only fragment of
     one). Empty when no loop issues HGMMA. What the loop costs per iteration decides a kernel's issue rate."""
-    loops = sass_gemm_loops(sass)
+    return main_loop(sass_gemm_loops(sass))
+
+
+def main_loop(loops: list[Counter]) -> Counter:
+    """`sass_gemm_loop` from already counted loops (`sass_gemm_loops`)."""
     with_exp2 = [body for body in loops if body.get("MUFU.EX2")]
     return min(with_exp2 or loops, key=lambda c: sum(c.values()), default=Counter())
 
@@ -107,6 +111,14 @@ def sass_gemm_loops(sass: str) -> list[Counter]:
 def loop_opcodes(body: list[str]) -> Counter:
     """Full opcode -> count of one loop body from `sass_gemm_loop_bodies` (each instruction starts with its opcode)."""
     return Counter(ins.split()[0] for ins in body)
+
+
+def exp2_before(body: list[str], instruction: str) -> tuple[int, int]:
+    """(exponentials issued before the first `instruction` in a loop body, exponentials in the body): where ptxas
+    put a GEMM wait inside a softmax (`FwdConfig.anchored_release`, `BwdConfig.anchored_wait`)."""
+    exp2 = [i for i, ins in enumerate(body) if ins.startswith("MUFU.EX2")]
+    at = body.index(instruction)
+    return sum(1 for i in exp2 if i < at), len(exp2)
 
 
 def sass_gemm_loop_bodies(sass: str) -> list[list[str]]:
@@ -273,9 +285,9 @@ def report_from_ptx(ptx: str, *, kernel: str = "kernel", arch: str = "sm_90a", c
             rep.errors.append(f"nvdisasm exited with {dis.returncode}: {dis.stderr.strip()[:2000]}")
             return rep
         rep.opcodes = sass_opcodes(dis.stdout)
-        rep.loop_opcodes = sass_gemm_loop(dis.stdout)
         rep.gemm_loop_bodies = sass_gemm_loop_bodies(dis.stdout)
         rep.gemm_loops = [loop_opcodes(body) for body in rep.gemm_loop_bodies]
+        rep.loop_opcodes = main_loop(rep.gemm_loops)
     return rep
 
 

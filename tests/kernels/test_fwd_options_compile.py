@@ -306,7 +306,7 @@ def _pv_wait_positions(score_mod, mask_mod, **config):
     """For each overlapped-step loop of the forward kernel built for these mods (the launcher's configuration, with
     `config` replaced): (exponentials issued before the step waits for the P.V GEMM, exponentials in the step)."""
     from flexlab.runtime.compile import forward_ptx
-    from flexlab.viz.compile_report import _forward_key, report_from_ptx
+    from flexlab.viz.compile_report import _forward_key, exp2_before, report_from_ptx
     key, kmods, cfg = _forward_key(score_mod, mask_mod, "bfloat16", config.pop("head_dim", 128), None, "sm_90a")
     rep = report_from_ptx(forward_ptx(dataclasses.replace(key, config=dataclasses.replace(cfg, **config)), kmods))
     if rep.missing:
@@ -317,9 +317,7 @@ def _pv_wait_positions(score_mod, mask_mod, **config):
         if [ins for ins in body if ins.startswith("WARPGROUP.DEPBAR")] != ["WARPGROUP.DEPBAR.LE gsb0, 0x1",
                                                                           "WARPGROUP.DEPBAR.LE gsb0, 0x0"]:
             continue  # not one overlapped step (the persistent kernel's tile loop holds the step loops)
-        exp2 = [i for i, ins in enumerate(body) if ins.startswith("MUFU.EX2")]
-        wait = body.index("WARPGROUP.DEPBAR.LE gsb0, 0x0")
-        out.append((sum(1 for i in exp2 if i < wait), len(exp2)))
+        out.append(exp2_before(body, "WARPGROUP.DEPBAR.LE gsb0, 0x0"))
     assert out, "no overlapped-step loop found in the SASS"
     return out
 
