@@ -46,10 +46,14 @@ D128_STAGES_FROM_SEQLEN: tuple[tuple[int, int], ...] = ()
 # D=64 with a block mask (no score_mod): 192-row tiles (a BlockMask at 128 is then merged per tile, see
 # `flexlab.runtime.sparsity`), or 128. H200 causal, kernel time: 1.06x at B4 S4k, 1.13x at B1 S16k over 128 rows.
 D64_SPARSE_TILE_M = 192
-# D=64 dense (no mask, no score_mod): CTAs per K/V multicast cluster (`FwdConfig.cluster_m`), 1 or 2. H200, kernel
-# time over three sweeps: 1.03-1.07x at B4 S4k and B1 S16k; at D=128 the same option stayed within run-to-run noise
-# (0.99-1.02x), so D=128 keeps 1 (benchmarks/results/fwd_cluster2_h200_2026-11-30.json).
+# Dense kernels (no mask, no score_mod): CTAs per K/V multicast cluster (`FwdConfig.cluster_m`), 1 or 2. H200, kernel
+# time: D=64 1.03-1.07x at B4 S4k and B1 S16k over three sweeps (benchmarks/results/fwd_cluster2_h200_2026-11-30.json);
+# D=128 1.044x at B4 S4k and 1.033x at B1 S16k, timed in 7 interleaved rounds beside the baseline, the baseline again
+# (1.005x, 1.002x) and FA4 (benchmarks/results/fwd_interleaved_h200_2026-12-01.json). Sweeps that timed each kernel
+# once had put D=128 within their run-to-run noise (0.99-1.02x). Short keys still go dynamic at D=128
+# (`runtime.launch.runs_dynamic`): one CTA per SM has no cluster partner.
 D64_DENSE_CLUSTER_M = 2
+D128_DENSE_CLUSTER_M = 2
 # Persistent CTAs with dynamic tiles (`FwdConfig.dynamic_tiles`, one CTA per SM) wherever a Q tile visits at most
 # this many KV blocks on average (dense: Skv / tile_n; under a block mask: its lists), so that per-tile prologue and
 # epilogue (Q load, first K, O store) overlap the previous tile's work. Their steps are ~7% longer (481 against 449
@@ -124,8 +128,8 @@ class FwdConfig:
     # Dense grids only: two CTAs with neighbouring Q tiles of one head form a cluster, and each loads half of every
     # K/V block and multicasts it to both, halving K/V requests to L2. Nsight, dense B4 S4k: our kernel moved 4.1 GB
     # through the L2 slices against FA4's 2.2 GB (FA4's sm90 forward does not multicast: its loads are merged before
-    # the slices more often, BENCHMARKS.md 2026-12-01). 1.03-1.07x at D=64, 0.99-1.02x at D=128: default at D=64
-    # only (`D64_DENSE_CLUSTER_M`).
+    # the slices more often, BENCHMARKS.md 2026-12-01). 1.03-1.07x at D=64, 1.03-1.04x at D=128: the dense default
+    # at both (`D64_DENSE_CLUSTER_M`, `D128_DENSE_CLUSTER_M`).
     cluster_m: int = 1
     # Waits on the Q/K/V stages (the consumers' for a full stage, the producer's for an empty one) try once without a
     # suspend-time hint before the wait loop whose hint lets the warps sleep, as FA4's do in effect; ours enter that
@@ -240,8 +244,8 @@ def default_config(head_dim: int, block_sparse: bool = False, has_score_mod: boo
     D=64 without a score_mod uses 192-row tiles (three consumer warpgroups), also under a block mask at torch's
     default 128 block size unless `D64_SPARSE_TILE_M` says 128; a score_mod's extra registers spill at 160 per
     thread, so it gets 128-row tiles, and so do mods that read captured tensors (`captured_tensors`: a document mask
-    at 192 rows spills 56 bytes, the clamped gathers' addresses). Dense D=64 also pairs CTAs into K/V multicast
-    clusters (`D64_DENSE_CLUSTER_M`).
+    at 192 rows spills 56 bytes, the clamped gathers' addresses). Dense D=64 and D=128 also pair CTAs into K/V
+    multicast clusters (`D64_DENSE_CLUSTER_M`, `D128_DENSE_CLUSTER_M`).
     """
     anchored = anchored_options(head_dim, block_sparse or has_score_mod)
     if head_dim <= 64:
@@ -251,7 +255,8 @@ def default_config(head_dim: int, block_sparse: bool = False, has_score_mod: boo
             return FwdConfig(head_dim=64, tile_m=192, tile_n=128, num_stages=3, **anchored)
         return FwdConfig(head_dim=64, tile_m=128, tile_n=128, num_stages=2, **anchored)
     if head_dim <= 128:  # H200, B1 S16k: 633 TFLOP/s; tile_n=176 gave 635 (noise)
-        return FwdConfig(head_dim=128, tile_m=128, tile_n=128, num_stages=d128_stages(seqlen_k), **anchored)
+        dense = {} if block_sparse or has_score_mod else {"cluster_m": D128_DENSE_CLUSTER_M}
+        return FwdConfig(head_dim=128, tile_m=128, tile_n=128, num_stages=d128_stages(seqlen_k), **anchored, **dense)
     # D=256: 80-key tiles fill shared memory with two stages; dense 1.01-1.03x of 64 at B4·S4k and B1·S16k, equal at
     # B8·S1k (benchmarks/results/fwd_d256_tile_n{64,80}_h200_2026-12-01.json). A block mask needs a divisor of 128.
     return FwdConfig(head_dim=256, tile_m=128, tile_n=64 if block_sparse else 80, num_stages=2)

@@ -14,7 +14,9 @@ kernel:
                 and a combination). Each is checked against float64 attention on two (batch, head) pairs, all
                 queries (rel-L2 < 1e-2, no NaN) before its time counts: a wrong candidate is reported as WRONG.
 Kernel times call the compiled kernel directly (arguments prepared once), median of `triton.testing.do_bench` with
-the L2 flushed between calls. TFLOP/s use the mask's exact density (`flexlab.bench.density`).
+the L2 flushed between calls. TFLOP/s use the mask's exact density (`flexlab.bench.density`). After a row's variants,
+its baseline and passing candidates (with `--fa4`, FA4's forward too) are timed again in `--rounds` rotated rounds
+(`bench.timing.measure_interleaved`); decide on those times, not on the one-by-one ones, which drift with the clock.
 
 Robustness: every kernel is compiled first by parallel worker processes into the disk cache (no GPU needed). Timing
 runs in a child process watched by this one: a variant that prints nothing for `--case-timeout` seconds (a hang) is
@@ -291,6 +293,7 @@ class RowState:
         self.aux_t = self.lowered.tensors_on(self.q.device) if self.lowered else ()
         self.aux_s = self.lowered.aux_scalars if self.lowered else ()
         self._ref = None
+        self.calls: dict = {}  # variant -> prepared kernel call, for the baseline and candidates that passed
 
     def reference(self):
         if self._ref is None:
@@ -373,6 +376,8 @@ def run_variant(state: RowState, v: Variant, args) -> dict:
             return rec
     ms = _bench(call, args.warmup_ms, args.rep_ms)
     rec.update(status="ok", ms=ms, tflops=_tflops(state.flops, ms))
+    if v.kind != "ablation":
+        state.calls[v.name] = call
     if v.kind == "baseline":
         rec.update(baseline_extras(state, call, args))
     return rec
@@ -414,6 +419,38 @@ def baseline_extras(state: RowState, call, args) -> dict:
     return extras
 
 
+def interleaved_times(state: RowState, rounds: int, with_fa4: bool) -> dict:
+    """The row's baseline and passing candidates (and, `with_fa4`, FA4's own forward on the same inputs) timed again
+    in turns (`bench.timing.measure_interleaved`: `rounds` rounds in a rotated order, median of the rounds). Timed one
+    after another, the same kernel read 0.97-1.08x of itself within a row (the clock drifts at the power cap), which
+    is more than most candidates change. Returns {name: {kernel_ms, wall_ms, kernel_rounds}}."""
+    import torch
+    from flexlab.bench.timing import measure_interleaved
+    fns = dict(state.calls)
+    if with_fa4:
+        from flexlab.bench.peers import Unavailable, prepare_fa4
+        try:
+            fns["fa4"] = prepare_fa4(state.case, state.q, state.k, state.v, state.block_mask, grad=False).call
+        except Unavailable:
+            pass
+    times = measure_interleaved(fns, torch.device("cuda"), warmup_ms=25, rep_ms=60 * rounds, rounds=rounds,
+                                profile_calls=3 * rounds)
+    return {n: {"kernel_ms": t.kernel_ms, "wall_ms": t.wall_ms, "kernel_rounds": t.kernel_rounds}
+            for n, t in times.items()}
+
+
+def _flush_row(state, args):
+    """After a row's last variant: its interleaved times, when there is more than one thing to compare."""
+    if state is None or args.rounds <= 1 or len(state.calls) + bool(args.fa4) < 2 or "baseline" not in state.calls:
+        return
+    try:
+        _emit("interleaved", row=state.row.name, times=interleaved_times(state, args.rounds, args.fa4))
+    except Exception as e:  # noqa: BLE001 - the one-by-one times stand
+        _emit("interleaved", row=state.row.name, error=f"{type(e).__name__}: {e}"[:500])
+        if _is_cuda_fatal(e):
+            sys.exit(3)
+
+
 def fake_child(jobs: list):
     """--selftest: the parent's bookkeeping without a GPU. One variant hangs, one crashes the process, one reports a
     fatal CUDA error; every other one "runs" in a millisecond."""
@@ -440,6 +477,9 @@ def fake_child(jobs: list):
               "baseline" if name == "baseline" else "candidate", status="ok", ms=ms,
               tflops=row.flops(0.5) / (ms * 1e-3) / 1e12, **({"api_tflops": 1.0, "api_host_us": 20.0}
                                                              if name == "baseline" else {}))
+        if name == "combo":  # the last variant of a row: its interleaved times, FA4's among them
+            _emit("interleaved", row=row.name, times={n: {"kernel_ms": k, "wall_ms": k, "kernel_rounds": [k]}
+                                                      for n, k in (("baseline", 1.0), ("combo", 0.8), ("fa4", 0.9))})
 
 
 def child(job_file: str, args):
@@ -458,6 +498,7 @@ def child(job_file: str, args):
         _emit("start", name=job)
         try:
             if state is None or state.row != row:
+                _flush_row(state, args)
                 state = None
                 torch.cuda.empty_cache()
                 t0 = time.perf_counter()
@@ -474,6 +515,7 @@ def child(job_file: str, args):
                 sys.exit(3)
             continue
         _emit("done", name=job, row=row.name, variant=name, **rec)
+    _flush_row(state, args)
 
 
 # ------------------------------------------------------------------------------------------------ parent side
@@ -544,8 +586,9 @@ def run_timing(jobs: list, args, deadline: float, job_file: str, on_record) -> N
     while pending and time.monotonic() < deadline:
         with open(job_file, "w") as f:
             json.dump({"timing": pending}, f)
-        proc = _spawn(["--child", job_file, "--warmup-ms", str(args.warmup_ms), "--rep-ms", str(args.rep_ms)]
-                      + (["--selftest"] if args.selftest else []))
+        proc = _spawn(["--child", job_file, "--warmup-ms", str(args.warmup_ms), "--rep-ms", str(args.rep_ms),
+                       "--rounds", str(args.rounds)] + (["--selftest"] if args.selftest else [])
+                      + (["--fa4"] if args.fa4 else []))
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
         current, tail, finished = None, [], 0
@@ -668,7 +711,39 @@ def tables(doc: dict) -> str:
     for name, (geo, n, bad) in summary(doc).items():
         speed = f"x{geo:.3f}" if geo is not None else "n/a"
         out.append(f"  {name:22s} {speed} over {n} rows" + (f"; failed on {bad}" if bad else ""))
+    inter = [r for r in rows if r.get("interleaved") and "baseline" in r["interleaved"]]
+    if inter:
+        names = []
+        for r in inter:
+            names += [n for n in r["interleaved"] if n != "baseline" and n not in names]
+        out.append("\nInterleaved rounds (median kernel time): speedup over the baseline; for fa4, FA4's time over "
+                   "the baseline's (above 1: flexlab faster)")
+        out.append(" | ".join(["row", "baseline ms"] + names))
+        for r in inter:
+            t = r["interleaved"]
+            base = t["baseline"]["kernel_ms"]
+            cells = [r["name"].replace("fwd ", "").replace(" H16", "").replace(" bf16", ""), f"{base:.4f}"]
+            cells += [("-" if n not in t else f"{t[n]['kernel_ms'] / base:.3f}" if n == "fa4"
+                       else f"x{base / t[n]['kernel_ms']:.3f}") for n in names]
+            out.append(" | ".join(cells))
+        out.append("Interleaved, over all rows (geometric mean):")
+        for name, (geo, n) in interleaved_summary(doc).items():
+            out.append(f"  {name:22s} x{geo:.3f} over {n} rows")
     return "\n".join(out)
+
+
+def interleaved_summary(doc: dict) -> dict:
+    """name -> (geometric mean over rows of baseline time / its time, rows), from the interleaved rounds."""
+    acc: dict = {}
+    for r in doc["rows"]:
+        t = r.get("interleaved") or {}
+        if "baseline" not in t:
+            continue
+        for name, rec in t.items():
+            if name != "baseline":
+                logs, n = acc.get(name, (0.0, 0))
+                acc[name] = (logs + math.log(t["baseline"]["kernel_ms"] / rec["kernel_ms"]), n + 1)
+    return {k: (math.exp(logs / n), n) for k, (logs, n) in acc.items()}
 
 
 def summary(doc: dict) -> dict:
@@ -706,6 +781,10 @@ def main(argv=None) -> int:
     ap.add_argument("--num-sms", type=int, default=0, help="persistent CTA count (default: the GPU's SM count)")
     ap.add_argument("--warmup-ms", type=float, default=25.0)
     ap.add_argument("--rep-ms", type=float, default=100.0)
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="after a row's variants, time its baseline and passing candidates again in this many rotated "
+                         "rounds (1: off); the candidate table then reads these times")
+    ap.add_argument("--fa4", action="store_true", help="time FA4's forward in the same rounds, as a reference")
     ap.add_argument("--selftest", action="store_true",
                     help="exercise the watchdog and the report on the CPU with a fake timing child")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -776,6 +855,12 @@ def main(argv=None) -> int:
             by_row[msg["row"]].update(density=msg["density"], flops=msg["flops"], setup_s=msg["setup_s"])
         elif kind == "info":
             doc["environment"].update({f"child_{k}": v for k, v in msg.items()})
+        elif kind == "interleaved":
+            by_row[msg["row"]]["interleaved"] = msg.get("times") or {"error": msg.get("error")}
+            print(f"  {msg['row']} | interleaved: " + (", ".join(
+                f"{n} {t['kernel_ms']:.4f} ms" for n, t in msg["times"].items()) if msg.get("times")
+                else msg.get("error", "")), flush=True)
+            _write(doc, args.out)
         elif kind == "done":
             row, variant = msg.pop("row"), msg.pop("variant")
             msg.pop("name", None)
@@ -797,6 +882,7 @@ def main(argv=None) -> int:
     doc["wall_s"] = round(time.monotonic() - start, 1)
     doc["candidate_summary"] = {k: {"geomean_speedup": g, "rows": n, "failed_rows": b}
                                 for k, (g, n, b) in summary(doc).items()}
+    doc["interleaved_summary"] = {k: {"geomean_speedup": g, "rows": n} for k, (g, n) in interleaved_summary(doc).items()}
     _write(doc, args.out)
     print(tables(doc), flush=True)
     counts: dict = {}

@@ -17,9 +17,10 @@ from flexlab.runtime.compile import CompileKey, KernelMods, compile_report  # no
 
 def _key(D, **kw):
     base = dict(source_hash="", has_score_mod=False, has_mask_mod=False, aux_tensor_specs=(), aux_scalar_kinds=(),
-                dtype="bfloat16", config=default_config(D), arch="sm_90a", block_sparse=False, tile_order=False,
+                dtype="bfloat16", arch="sm_90a", block_sparse=False, tile_order=False,
                 tvm_ffi=False)
     base.update(kw)
+    base.setdefault("config", default_config(D, base["block_sparse"], base["has_score_mod"]))
     return CompileKey(**base)
 
 

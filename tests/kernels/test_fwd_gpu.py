@@ -211,7 +211,7 @@ def test_warm_path_agrees_with_the_full_path(D):
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("Sq,Skv,Hkv", [(1000, 1000, 4), (1023, 777, 1), (128, 4096, 2), (129, 129, 4)])
 def test_kv_multicast_cluster_candidate(D, Sq, Skv, Hkv):
-    # FwdConfig.cluster_m=2 (the D=64 dense default, forced here at D=128 too): pairs of Q tiles share K/V loads;
+    # FwdConfig.cluster_m=2 (the dense default at D=64 and D=128): pairs of Q tiles share K/V loads;
     # odd tile counts leave the last pair's second CTA past Sq, where it must neither write nor hang its partner.
     import dataclasses
 

@@ -19,7 +19,8 @@ from flexlab.kernels.config import ABLATIONS, FwdConfig, default_config  # noqa:
 from flexlab.runtime.compile import CompileKey, KernelMods, _build  # noqa: E402
 from flexlab.runtime.ptxas import assemble  # noqa: E402
 
-ALL_OPTIONS = dict(persistent_ctas=132, exp2_poly=2, rescale_before_pv=True, early_block_index=True)
+# (a persistent CTA has no cluster partner: the dense default's K/V multicast goes)
+ALL_OPTIONS = dict(persistent_ctas=132, cluster_m=1, exp2_poly=2, rescale_before_pv=True, early_block_index=True)
 
 
 def _mods(kind: str):
@@ -162,9 +163,11 @@ def test_masked_kernel_loops_carry_no_key_tail_test():
     loops = {}
     masked = default_config(128, True)
     for kind in ("dense", "causal"):
-        # the dense kernel with the masked one's step options (`anchored_release`, `uniform_stage`): like for like
+        # the dense kernel with the masked one's step options (`anchored_release`, `uniform_stage`) and loads (no
+        # K/V multicast): like for like
         ptx, _ = _compile(dataclasses.replace(default_config(128), anchored_release=masked.anchored_release,
-                                              uniform_stage=masked.uniform_stage) if kind == "dense" else masked, kind)
+                                              uniform_stage=masked.uniform_stage, cluster_m=1)
+                          if kind == "dense" else masked, kind)
         rep = report_from_ptx(ptx)
         if rep.missing:
             pytest.skip(f"needs {rep.missing}")
@@ -342,7 +345,8 @@ def test_anchored_release_keeps_the_softmax_beside_the_pv_gemm():
              "causal D=64, full blocks": _pv_wait_positions(None, causal, head_dim=64)[1:],
              "documents (stored bits), both loops": _pv_wait_positions(document.score_mod, document.mask_mod),
              "dense persistent": _pv_wait_positions(None, None, persistent_ctas=persistent.persistent_ctas,
-                                                    dynamic_tiles=True, anchored_release=True, uniform_stage=True)}
+                                                    cluster_m=1, dynamic_tiles=True, anchored_release=True,
+                                                    uniform_stage=True)}
     assert len(cases["documents (stored bits), both loops"]) == 2  # partial and full blocks
     for name, loops in cases.items():
         assert loops, name

@@ -26,3 +26,7 @@ def test_selftest_reports_hang_crash_and_cuda_fault(tmp_path):
     assert {second[v]["status"] for v in ("-overlap", "persistent", "stages3")} == {"dropped"}
     assert first["baseline"]["status"] == "ok" and second["combo"]["status"] == "ok"
     assert "Candidates" in res.stdout and "Ablations" in res.stdout
+    # the interleaved rounds of a row reach the JSON and the report (FA4 as a ratio of times, candidates as speedups)
+    assert doc["rows"][1]["interleaved"]["combo"]["kernel_ms"] == 0.8
+    assert doc["interleaved_summary"]["combo"]["geomean_speedup"] == pytest.approx(1.25)
+    assert "Interleaved rounds" in res.stdout and " | x1.250 | 0.900" in res.stdout
