@@ -129,7 +129,9 @@ class FwdConfig:
     # K/V block and multicasts it to both, halving K/V requests to L2. Nsight, dense B4 S4k: our kernel moved 4.1 GB
     # through the L2 slices against FA4's 2.2 GB (FA4's sm90 forward does not multicast: its loads are merged before
     # the slices more often, BENCHMARKS.md 2026-12-01). 1.03-1.07x at D=64, 1.03-1.04x at D=128: the dense default
-    # at both (`D64_DENSE_CLUSTER_M`, `D128_DENSE_CLUSTER_M`).
+    # at both (`D64_DENSE_CLUSTER_M`, `D128_DENSE_CLUSTER_M`). With static persistent CTAs each cluster walks pairs
+    # of tiles (`tile_scheduler.pair_coords`): timed in turns against one cluster per pair, 1.000-1.016x at D=128
+    # and 1.000-1.038x at D=64 (benchmarks/results/fwd_persistent_cluster2_h200_2026-12-01.json), not the default.
     cluster_m: int = 1
     # Waits on the Q/K/V stages (the consumers' for a full stage, the producer's for an empty one) try once without a
     # suspend-time hint before the wait loop whose hint lets the warps sleep, as FA4's do in effect; ours enter that
@@ -207,9 +209,6 @@ class FwdConfig:
             return f"unknown ablation(s) {unknown}; known: {sorted(ABLATIONS)}"
         if self.cluster_m not in (1, 2):
             return f"cluster_m={self.cluster_m} must be 1 or 2 (CTAs sharing each K/V load)"
-        if self.cluster_m > 1 and (self.persistent_ctas or "kv_loads" in self.ablate):
-            return "cluster_m=2 pairs Q tiles of one head per launch; it does not combine with persistent_ctas or " \
-                   "the kv_loads ablation"
         if self.mask_bits and (self.tile_n != 128 or self.mask_early):
             return "mask_bits=True stores 128 columns per block row and replaces mask_early: it needs tile_n=128 " \
                    "and mask_early=False"
@@ -217,6 +216,10 @@ class FwdConfig:
             return "dynamic_tiles=True hands tiles to persistent CTAs: it needs persistent_ctas > 0"
         if self.persistent_ctas < 0:
             return f"persistent_ctas={self.persistent_ctas} must be 0 (off) or a CTA count"
+        if self.cluster_m > 1 and (self.dynamic_tiles or self.persistent_ctas % self.cluster_m
+                                   or "kv_loads" in self.ablate):
+            return "cluster_m=2 pairs Q tiles of one head, and both CTAs of a pair walk the same tiles: it combines " \
+                   "with an even number of static persistent CTAs, not with dynamic_tiles or the kv_loads ablation"
         if not 0 <= self.exp2_poly <= 8:
             return f"exp2_poly={self.exp2_poly} must be in [0, 8] (scores per 8 computed on the FMA pipe)"
         if self.smem_bytes() > SMEM_BYTES_SM90:

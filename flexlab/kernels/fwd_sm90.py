@@ -51,7 +51,8 @@ from .named_barrier import FwdBarrier
 from .score_mod import apply_score_mod
 from .softmax import OnlineSoftmax, rescale_rows
 from .stage_waits import acquire_empty, release_after, wait_full
-from .tile_scheduler import claim_tile, cluster_pair_tile, current_tile, hand_over_tile, take_tile, tile_coords
+from .tile_scheduler import (claim_tile, cluster_pair_tile, current_tile, hand_over_tile, pair_coords, take_tile,
+                             tile_coords)
 
 LOG2_E = math.log2(math.e)
 
@@ -161,6 +162,9 @@ class FlexFwdSm90:
         if cutlass.const_expr(self.cluster_m > 1):  # pairs of Q tiles (`tile_scheduler.cluster_pair_tile`)
             num_pairs = cute.ceil_div(num_m_blocks, self.cluster_m)
             grid = [num_pairs * num_hb * self.cluster_m, 1, 1]
+            if cutlass.const_expr(self.persistent):
+                grid = [cutlass.min(num_pairs * num_hb, self.cfg.persistent_ctas // self.cluster_m) * self.cluster_m,
+                        1, 1]
             tiles = (num_pairs, mQ.shape[2], num_hb, heads_per_group)
             launch = {"cluster": [self.cluster_m, 1, 1]}
         self.kernel(mQ_t, mK_t, mV_t, mO_t, mLSE, tma_q, tma_k, tma_v, tma_o, softmax_scale, log2_scale,
@@ -275,15 +279,18 @@ class FlexFwdSm90:
                 tile = next_tile
             hand_over_tile(pipe_tile, slots, slot, None)
         elif cutlass.const_expr(self.persistent):
-            tile = Int32(cute.arch.block_idx()[0])
+            tile, stride = self.first_persistent_tile()
             num_tiles = tiles[0] * tiles[2]
             while tile < num_tiles:
-                m_block, head, batch = tile_coords(tile, order, *tiles)
+                m_block, head, batch = self.persistent_coords(tile, order, tiles)
                 sched = KvSchedule(sparse, batch, head, m_block, num_kv_blocks)
                 q_state, state = self.load_tile(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k,
                                                 pipe_v, m_block, head, batch, head // qhead_per_kvhead, sched,
                                                 q_state, state)
-                tile += Int32(cute.arch.grid_dim()[0])
+                tile += stride
+            if cutlass.const_expr(self.cluster_m > 1):  # (see below)
+                pipe_k.producer_tail(state.clone())
+                pipe_v.producer_tail(state.clone())
         else:
             m_block, head, batch, sched = first
             q_state, state = self.load_tile(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
@@ -293,6 +300,20 @@ class FlexFwdSm90:
                 # its buffers): this CTA stays until every stage has been released by both.
                 pipe_k.producer_tail(state.clone())
                 pipe_v.producer_tail(state.clone())
+
+    def first_persistent_tile(self) -> tuple:
+        """(first tile, stride) of this persistent CTA; with clusters, of its cluster's pairs of tiles."""
+        bid, grid = Int32(cute.arch.block_idx()[0]), Int32(cute.arch.grid_dim()[0])
+        if cutlass.const_expr(self.cluster_m > 1):
+            return bid // self.cluster_m, grid // self.cluster_m
+        return bid, grid
+
+    @cute.jit
+    def persistent_coords(self, tile: Int32, order, tiles) -> tuple:
+        """(m_block, head, batch) of a persistent CTA's tile number `tile` (with clusters: pair number)."""
+        if cutlass.const_expr(self.cluster_m > 1):
+            return pair_coords(tile, *tiles)
+        return tile_coords(tile, order, *tiles)
 
     @cute.jit
     def load_tile(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v,
@@ -404,13 +425,13 @@ class FlexFwdSm90:
                 valid, m_block, head, batch, known = take_tile(pipe_tile, slots, slot)
                 slot.advance()
         elif cutlass.const_expr(self.persistent):
-            tile = Int32(cute.arch.block_idx()[0])
+            tile, stride = self.first_persistent_tile()
             num_tiles = tiles[0] * tiles[2]
             while tile < num_tiles:
-                m_block, head, batch = tile_coords(tile, order, *tiles)
+                m_block, head, batch = self.persistent_coords(tile, order, tiles)
                 sched = KvSchedule(sparse, batch, head, m_block, num_kv_blocks)
                 q_state, state = self.consume_tile(*args, m_block, head, batch, sched, q_state, state)
-                tile += Int32(cute.arch.grid_dim()[0])
+                tile += stride
         else:
             m_block, head, batch, sched = first
             self.consume_tile(*args, m_block, head, batch, sched, q_state, state)

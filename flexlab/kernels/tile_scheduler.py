@@ -8,7 +8,8 @@ every head's rank-0 tile starts before any rank-1 tile. With a block mask the ho
 the tail of the last wave instead of leaving SMs idle.
 
 With K/V multicast (`FwdConfig.cluster_m` = 2, dense grids only) the grid is dealt out in pairs: the two CTAs of a
-cluster take Q tiles 2r and 2r + 1 of the same head, so every K/V block they load is the same one.
+cluster take Q tiles 2r and 2r + 1 of the same head, so every K/V block they load is the same one. Persistent
+clusters walk pairs the same way (`pair_coords`): cluster c takes pairs c, c + G/2, ...
 
 A persistent kernel (`FwdConfig.persistent_ctas`) launches fewer CTAs than tiles; CTA c then computes tiles c, c + G,
 c + 2G, ... (G = grid size) in the same rank order, so each "wave" of G tiles is exactly the wave the one-tile-per-CTA
@@ -56,12 +57,18 @@ def tile_coords(tile: Int32, order, num_m_blocks: Int32, num_heads: Int32, num_h
 
 @cute.jit
 def cluster_pair_tile(num_pairs: Int32, num_heads: Int32, num_hb: Int32, heads_per_group: Int32) -> tuple:
-    """(m_block, head, batch) of this CTA in a grid of 2-CTA clusters: the pair's rank comes from the same grouped order
-    as `tile_coords` (one "tile" per pair of Q tiles), the CTA's rank in its cluster picks the even or odd tile. With an
-    odd number of Q tiles the last pair's second tile lies past Sq: its loads read zeros and its stores are clipped."""
-    bid = Int32(cute.arch.block_idx()[0])
-    pair_rank, head, batch = tile_coords(bid // 2, None, num_pairs, num_heads, num_hb, heads_per_group)
-    return pair_rank * 2 + bid % 2, head, batch
+    """(m_block, head, batch) of this CTA in a grid of 2-CTA clusters, one pair of Q tiles per cluster."""
+    return pair_coords(Int32(cute.arch.block_idx()[0]) // 2, num_pairs, num_heads, num_hb, heads_per_group)
+
+
+@cute.jit
+def pair_coords(pair: Int32, num_pairs: Int32, num_heads: Int32, num_hb: Int32, heads_per_group: Int32) -> tuple:
+    """(m_block, head, batch) of this CTA's half of pair number `pair`: the pair's rank comes from the same grouped
+    order as `tile_coords` (one "tile" per pair of Q tiles), the CTA's rank in its cluster picks the even or odd tile.
+    With an odd number of Q tiles the last pair's second tile lies past Sq: its loads read zeros and its stores are
+    clipped."""
+    pair_rank, head, batch = tile_coords(pair, None, num_pairs, num_heads, num_hb, heads_per_group)
+    return pair_rank * 2 + Int32(cute.arch.block_idx()[0]) % 2, head, batch
 
 
 @cute.jit

@@ -155,7 +155,14 @@ def variants_for(row, base, num_sms: int) -> list[Variant]:
         cand.append(Variant("cluster2", "candidate", rep(base, cluster_m=2),
                             "2-CTA clusters share each K/V load (TMA multicast)"))
     elif base.cluster_m > 1:
+        from flexlab.kernels.config import anchored_options
         cand.append(Variant("no_cluster", "candidate", rep(base, cluster_m=1), "every CTA loads its own K/V"))
+        if not base.persistent_ctas:
+            cand.append(Variant("persistent_cluster2", "candidate",
+                                rep(base, persistent_ctas=num_sms, **anchored_options(base.head_dim, True)),
+                                "persistent 2-CTA clusters walking pairs of Q tiles (anchored K release)"))
+            cand.append(Variant("persistent_cluster2_free", "candidate", rep(base, persistent_ctas=num_sms),
+                                "persistent 2-CTA clusters walking pairs of Q tiles"))
     if base.anchored_release:
         cand.append(Variant("free_release", "candidate", rep(base, anchored_release=False, uniform_stage=False),
                             "K release and P.V wait where ptxas puts them"))

@@ -208,18 +208,20 @@ def test_warm_path_agrees_with_the_full_path(D):
 
 
 @needs_hopper
+@pytest.mark.parametrize("persistent", [0, 6])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("Sq,Skv,Hkv", [(1000, 1000, 4), (1023, 777, 1), (128, 4096, 2), (129, 129, 4)])
-def test_kv_multicast_cluster_candidate(D, Sq, Skv, Hkv):
+def test_kv_multicast_cluster_candidate(D, Sq, Skv, Hkv, persistent):
     # FwdConfig.cluster_m=2 (the dense default at D=64 and D=128): pairs of Q tiles share K/V loads;
     # odd tile counts leave the last pair's second CTA past Sq, where it must neither write nor hang its partner.
+    # With 6 persistent CTAs, 3 clusters walk every pair of tiles of several heads.
     import dataclasses
 
     from flexlab.kernels.config import default_config
     from flexlab.runtime.compile import KernelMods
     from flexlab.runtime.launch import forward
     q, k, v = random_qkv(2, 4, Sq, Skv, D, torch.bfloat16, "cuda", Hkv=Hkv)
-    cfg = dataclasses.replace(default_config(D), cluster_m=2)
+    cfg = dataclasses.replace(default_config(D), cluster_m=2, persistent_ctas=persistent)
     out, lse = forward(q, k, v, KernelMods(), config=cfg)
     _check(out, lse, q, k, v)
 

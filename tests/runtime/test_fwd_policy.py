@@ -146,7 +146,9 @@ def test_kv_multicast_clusters_are_the_dense_default(fresh_policy):
     base = default_config(128)
     assert dataclasses.replace(base, cluster_m=2).feasibility_error() is None
     assert "cluster_m" in dataclasses.replace(base, cluster_m=3).feasibility_error()
-    assert "persistent" in dataclasses.replace(base, cluster_m=2, persistent_ctas=132).feasibility_error()
+    assert dataclasses.replace(base, cluster_m=2, persistent_ctas=132).feasibility_error() is None  # pairs walk
+    for bad in (dict(persistent_ctas=131), dict(persistent_ctas=132, dynamic_tiles=True)):  # ... alike, statically
+        assert "cluster_m" in dataclasses.replace(base, cluster_m=2, **bad).feasibility_error()
     assert default_config(64).cluster_m == 2
     assert default_config(64, has_score_mod=True).cluster_m == 1
     for D in (64, 128):
