@@ -288,7 +288,7 @@ class FlexFwdSm90:
                                                 pipe_v, m_block, head, batch, head // qhead_per_kvhead, sched,
                                                 q_state, state)
                 tile += stride
-            if cutlass.const_expr(self.cluster_m > 1):  # (see below)
+            if cutlass.const_expr(self.cluster_m > 1):  # the partner releases our stages remotely: wait for it
                 pipe_k.producer_tail(state.clone())
                 pipe_v.producer_tail(state.clone())
         else:
