@@ -63,6 +63,13 @@ D128_DENSE_CLUSTER_M = 2
 # and soft-cap B4 S4k 0.98-1.00x (16.5), documents B1 S16k 0.98x (17.3, within the baseline's own spread); causal
 # B1 S16k 0.98x (64.5), alibi B1 S16k 0.94x. Dense D=64 keeps its K/V multicast clusters instead. 0 turns it off.
 DYNAMIC_MAX_MEAN_KV_BLOCKS = 20
+# Dense kernels with K/V multicast clusters whose tiles visit more than DYNAMIC_MAX_MEAN_KV_BLOCKS and at most this
+# many KV blocks run as static persistent clusters, one per SM pair, each walking pairs of Q tiles
+# (`FwdConfig.persistent_ctas` with `cluster_m`), so the next pair's first loads overlap this pair's epilogue.
+# H200, kernel time in interleaved rounds against one cluster per pair (two runs,
+# benchmarks/results/fwd_persistent_cluster2_h200_2026-12-01{,b}.json): B4 S4k (32 blocks) 1.016x / 1.032x at D=128
+# and 1.038x / 1.040x at D=64; B1 S16k (128 blocks) 1.000-1.007x, where launching a cluster per pair stays.
+PERSISTENT_CLUSTER_MAX_MEAN_KV_BLOCKS = 64
 # Block-sparse masks whose mask_mod reads captured tensors (document ids, spans): partial blocks test bits the
 # launcher stored once per mask (`FwdConfig.mask_bits`, `runtime.mask_bits`) instead of evaluating mask_mod, whose
 # gathers made a document mask's partial-block step 778 SASS instructions against 549 with bits (454 for a full one).

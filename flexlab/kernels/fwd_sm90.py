@@ -21,7 +21,9 @@ Options in `FwdConfig` (off by default):
     finish early take more tiles; the launcher's default where tiles are short (`runtime.launch.runs_dynamic`);
   * `cluster_m` = 2 (dense grids): CTAs pair up in clusters over neighbouring Q tiles of one head; each producer
     loads half of every K/V block with a multicast TMA copy that lands in both CTAs, and a stage is refilled only
-    once the consumers of both CTAs have released it (their release arrives on both CTAs' empty barriers);
+    once the consumers of both CTAs have released it (their release arrives on both CTAs' empty barriers). With
+    `persistent_ctas` each cluster walks pairs of tiles (`tile_scheduler.pair_coords`), the launcher's default for
+    dense tiles of mid length (`runtime.launch.runs_persistent_clusters`);
   * `rescale_before_pv`, `exp2_poly`, `early_block_index`, `mask_early`: see `FwdConfig`.
 Debug-only stage removal (`FwdConfig.ablate`, names in `config.ABLATIONS`) is confined to `ablated(...)` checks in
 `load_kv`, `overlapped_step`, the first/last block of `consume_tile`, `mod_scores`, `OnlineSoftmax` and `epilogue`.

@@ -79,8 +79,40 @@ def config_for(head_dim: int, sparse: bool, mods: KernelMods, seqlen_k: int | No
                    bool(mods.aux_tensor_specs))
     if not sparse and seqlen_k is not None:
         mean_kv_blocks = dense_mean_kv_blocks(base, seqlen_k)
-    cfg = _dynamic(base, num_sms) if num_sms and runs_dynamic(base, mean_kv_blocks) else base
+    cfg = scheduled(base, scheduling(base, mean_kv_blocks), num_sms) if num_sms else base
     return with_mask_bits(cfg) if mask_bits and sparse else cfg
+
+
+def scheduling(cfg: FwdConfig, mean_kv_blocks: float | None) -> str:
+    """How the default forward schedules CTAs for tiles visiting `mean_kv_blocks` KV blocks on average: "dynamic"
+    (`runs_dynamic`), "clusters" (`runs_persistent_clusters`), or "" (one CTA, or cluster, per tile)."""
+    if runs_dynamic(cfg, mean_kv_blocks):
+        return "dynamic"
+    return "clusters" if runs_persistent_clusters(cfg, mean_kv_blocks) else ""
+
+
+def scheduled(cfg: FwdConfig, how: str, num_sms: int) -> FwdConfig:
+    """`cfg` with the CTA scheduling `how` (a `scheduling` answer) on a GPU of `num_sms` SMs."""
+    if how == "dynamic":
+        return _dynamic(cfg, num_sms)
+    return _persistent_clusters(cfg, num_sms) if how == "clusters" else cfg
+
+
+def runs_persistent_clusters(cfg: FwdConfig, mean_kv_blocks: float | None) -> bool:
+    """Whether a K/V multicast kernel (dense) runs static persistent clusters: tiles of more than
+    `DYNAMIC_MAX_MEAN_KV_BLOCKS` and up to `PERSISTENT_CLUSTER_MAX_MEAN_KV_BLOCKS` KV blocks (measured at 32), where
+    overlapping a pair's epilogue with the next pair's first loads pays; longer tiles keep one cluster per pair of Q
+    tiles, and shorter ones what they had (dynamic tiles at D=128, a cluster per pair at D=64)."""
+    return (cfg.cluster_m > 1 and mean_kv_blocks is not None
+            and _policy.DYNAMIC_MAX_MEAN_KV_BLOCKS < mean_kv_blocks <= _policy.PERSISTENT_CLUSTER_MAX_MEAN_KV_BLOCKS)
+
+
+@lru_cache(maxsize=None)
+def _persistent_clusters(cfg: FwdConfig, num_sms: int) -> FwdConfig:
+    """`cfg` as static persistent clusters, one CTA per SM (an even count), with the persistent kernels' anchored K
+    release."""
+    return dataclasses.replace(cfg, persistent_ctas=num_sms // cfg.cluster_m * cfg.cluster_m,
+                               **_policy.anchored_options(cfg.head_dim, True))
 
 
 @lru_cache(maxsize=None)
@@ -207,10 +239,11 @@ def _plan(q: torch.Tensor, k: torch.Tensor, mods: KernelMods, block_mask, config
     plans = _PLANS.get(fast)
     if plans is None:
         plans = _PLANS[fast] = (config_for(D, sparse, mods, Skv), {})
-    base, compiled = plans  # compiled: (SM count of the dynamic kernel or 0, reads bits, tile_m) -> (fn, key)
+    base, compiled = plans  # compiled: (scheduling, SM count of a persistent kernel or 0, reads bits, tile_m) -> ...
     kbm = kernel_block_mask(block_mask, q.shape[2], base.tile_m, base.tile_n, Skv) if sparse else None
     mean = kbm.mean_kv_blocks if sparse else dense_mean_kv_blocks(base, Skv)
-    num_sms = _sm_count(q.device) if runs_dynamic(base, mean) else 0
+    how = scheduling(base, mean)
+    num_sms = _sm_count(q.device) if how else 0
     bits = _stored_bits(q, kbm, base, Skv, stored_masks)
     tiles = base
     if bits is not None:  # D=64 may take wider tiles once the mask needs no registers (`bits_wide_tiles`)
@@ -219,10 +252,10 @@ def _plan(q: torch.Tensor, k: torch.Tensor, mods: KernelMods, block_mask, config
         wide_bits = _stored_bits(q, wide_kbm, wide, Skv, stored_masks) if wide is not None else None
         if wide_bits is not None:
             tiles, kbm, bits = wide, wide_kbm, wide_bits
-    plan = (num_sms, bits is not None, tiles.tile_m)
+    plan = (how, num_sms, bits is not None, tiles.tile_m)
     hit = compiled.get(plan)
     if hit is None:
-        cfg = _dynamic(tiles, num_sms) if num_sms else tiles
+        cfg = scheduled(tiles, how, num_sms)
         if bits is not None:
             cfg = with_mask_bits(cfg)
         hit = compiled[plan] = _compiled(mods, q.dtype, cfg, arch, sparse, writes_lse)

@@ -6,8 +6,8 @@ every gallery variant can pay for all compiles in parallel up front:
     python -m flexlab.runtime.precompile --dims 64,128 --dtypes bfloat16,float16 --seqlens 1024,4096 --backward
 
 For each (variant, head dim, dtype) it builds the forward kernels the launcher picks for the given key lengths
-(`--seqlens`: at D=128 the K/V stage count and, for short tiles, the dynamic persistent kernel depend on it; under a
-block mask both tile schedulers are built, since the launcher picks one from the mask's density), each in its
+(`--seqlens`: at D=128 the K/V stage count, and the persistent kernels of short and mid-length tiles, depend on it;
+under a block mask both tile schedulers are built, since the launcher picks one from the mask's density), each in its
 LSE-writing (training, `return_lse=True`) and LSE-free (inference) form. With `--backward` it adds the backward's
 three kernels, with the variant's trainable tensors requiring grad. Later calls in any process find the kernels on
 disk (see `disk_cache.KernelCache`).

@@ -36,10 +36,18 @@ def test_launcher_defaults_are_the_measured_configs(fresh_policy, D, sparse, sco
             # (dense D=64 keeps its K/V multicast clusters at every length; D=128 gives them up for short keys)
             short = (mean is not None and mean <= policy.DYNAMIC_MAX_MEAN_KV_BLOCKS
                      and (base.cluster_m == 1 or D == 128))
-            assert (cfg.persistent_ctas, cfg.dynamic_tiles) == ((132, True) if short else (0, False)), (seqlen, cfg)
-            # persistent kernels tie the K release to the first probability (`FwdConfig.anchored_release`) and have
-            # no cluster partner
-            expected = dataclasses.replace(base, cluster_m=1, **policy.anchored_options(D, True)) if short else base
+            # dense multicast kernels with mid-length tiles: static persistent clusters walking pairs of Q tiles
+            paired = (not short and base.cluster_m == 2 and mean is not None
+                      and policy.DYNAMIC_MAX_MEAN_KV_BLOCKS < mean <= policy.PERSISTENT_CLUSTER_MAX_MEAN_KV_BLOCKS)
+            want = (132, True) if short else (132, False) if paired else (0, False)
+            assert (cfg.persistent_ctas, cfg.dynamic_tiles) == want, (seqlen, mean, cfg)
+            # persistent kernels tie the K release to the first probability (`FwdConfig.anchored_release`); dynamic
+            # ones have no cluster partner
+            expected = base
+            if short:
+                expected = dataclasses.replace(base, cluster_m=1, **policy.anchored_options(D, True))
+            elif paired:
+                expected = dataclasses.replace(base, **policy.anchored_options(D, True))
             assert dataclasses.replace(cfg, persistent_ctas=0, dynamic_tiles=False) == expected
             assert cfg.feasibility_error() is None and cfg.ablate == () and cfg.exp2_poly == 0
             assert not cfg.rescale_before_pv and not cfg.early_block_index
@@ -158,6 +166,10 @@ def test_kv_multicast_clusters_are_the_dense_default(fresh_policy):
     assert launch.config_for(64, False, KernelMods(), 1024, num_sms=132).cluster_m == 2  # short tiles too
     short = launch.config_for(128, False, KernelMods(), 1024, num_sms=132)  # ... but D=128 short tiles go dynamic
     assert short.dynamic_tiles and short.cluster_m == 1
-    assert launch.config_for(128, False, KernelMods(), 4096, num_sms=132).cluster_m == 2
+    mid = launch.config_for(128, False, KernelMods(), 4096, num_sms=132)  # 32 KV blocks: persistent clusters
+    assert mid.cluster_m == 2 and mid.persistent_ctas == 132 and not mid.dynamic_tiles
+    assert launch.config_for(64, False, KernelMods(), 4096, num_sms=131).persistent_ctas == 130  # an even count
+    long = launch.config_for(128, False, KernelMods(), 16384, num_sms=132)  # 128 blocks: a cluster per pair
+    assert long.cluster_m == 2 and long.persistent_ctas == 0
     persistent = launch._dynamic(default_config(64), 132)  # a persistent CTA has no partner: the cluster goes
     assert persistent.persistent_ctas == 132 and persistent.cluster_m == 1 and persistent.feasibility_error() is None
