@@ -29,4 +29,5 @@ def test_selftest_reports_hang_crash_and_cuda_fault(tmp_path):
     # the interleaved rounds of a row reach the JSON and the report (FA4 as a ratio of times, candidates as speedups)
     assert doc["rows"][1]["interleaved"]["combo"]["kernel_ms"] == 0.8
     assert doc["interleaved_summary"]["combo"]["geomean_speedup"] == pytest.approx(1.25)
+    assert doc["interleaved_summary"]["fa4"]["geomean_speedup"] == pytest.approx(0.9)  # FA4's time / the baseline's
     assert "Interleaved rounds" in res.stdout and " | x1.250 | 0.900" in res.stdout
