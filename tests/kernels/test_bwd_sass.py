@@ -59,7 +59,7 @@ def _dp_wait_positions(D: int, kind: str, **config) -> list[tuple[int, int]]:
     from bwd_option_report import _mods, compile_ptx, key_for
 
     from flexlab.kernels.bwd_launch import config_for
-    from flexlab.viz.compile_report import exp2_before, loop_opcodes, report_from_ptx
+    from flexlab.viz.compile_report import exp2_before, report_from_ptx
     g, block_sparse, det = _mods(kind)
     cfg = config_for(D, det, g, g is not None and any(g.aux_requires_grad), 128 if block_sparse else None)
     rep = report_from_ptx(compile_ptx(key_for(dataclasses.replace(cfg, **config), g, block_sparse, det), g))
@@ -67,8 +67,8 @@ def _dp_wait_positions(D: int, kind: str, **config) -> list[tuple[int, int]]:
         pytest.skip(f"needs {rep.missing}")
     assert not rep.errors and rep.spill_store_bytes == 0, (rep.errors, rep.spill_store_bytes)
     out = []
-    for body in rep.gemm_loop_bodies:
-        if "MUFU.EX2" in loop_opcodes(body):
+    for body, opcodes in zip(rep.gemm_loop_bodies, rep.gemm_loops):  # (the report counted each loop once)
+        if opcodes.get("MUFU.EX2"):
             out.append(exp2_before(body, "WARPGROUP.DEPBAR.LE gsb0, 0x0"))  # the first full wait: dP^T's
     assert out
     return out
