@@ -22,6 +22,15 @@ from torch import Tensor
 
 from .errors import FlexlabValueError
 
+def constant_under_compile(fn: Callable) -> Callable:
+    """`torch._dynamo.assume_constant_result`, without importing Dynamo (a second or more) when flexlab is imported.
+
+    Dynamo runs a function so marked eagerly while tracing and puts its result in the graph as a constant.
+    """
+    fn._dynamo_marked_constant = True  # the mark torch's decorator sets; tests/test_import.py holds them equal
+    return fn
+
+
 NUM_MASK_TENSORS = 8  # kv_num, kv_idx, full_kv_num, full_kv_idx, q_num, q_idx, full_q_num, full_q_idx
 
 

@@ -6,6 +6,7 @@ import numbers
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
+from . import _ops
 from ._bounded import put_bounded
 from .backends import cute  # torch only: cutlass loads when a kernel is first built
 from .errors import BackendUnavailableError, FlexlabTypeError, FlexlabValueError
@@ -116,7 +117,7 @@ def _cute_plan(query, key, value, score_mod, block_mask) -> tuple[str, bool]:
     return plan[:-1], plan[-1] == "1"
 
 
-@torch._dynamo.assume_constant_result
+@_ops.constant_under_compile
 def _cute_plan_static(device, dtype, head_dim, v_head_dim, score_mod, mask_mod, block_size, has_q_lists,
                       qkv_grad: bool, grad_enabled: bool) -> str:
     """The reason string with "1" (backward needed) or "0" appended: one string, so Dynamo folds it as a constant."""

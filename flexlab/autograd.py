@@ -171,7 +171,7 @@ def bind_training(query, key, value, score_mod, block_mask) -> WarmTraining | No
     return warm
 
 
-@torch._dynamo.assume_constant_result
+@_ops.constant_under_compile
 def _mods_key(score_mod, mask_mod) -> str:
     """Registry key of the mods; run eagerly even inside torch.compile, whose graph then holds the string."""
     return _ops.register_mods(score_mod, mask_mod)
