@@ -13,6 +13,7 @@ kernel's algorithm), so the ops, their autograd formula and their tracing are te
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 from collections import OrderedDict
 from typing import Callable, Optional
@@ -99,12 +100,24 @@ _LOCK = threading.Lock()
 EAGER_ENTRIES_KEPT = 256
 
 
+def dynamo_compiling() -> bool:
+    """Whether torch.compile is at work, also inside a function it runs eagerly as a constant while tracing.
+
+    There `torch.compiler.is_compiling()` is True only on torch versions that hold it for the whole compile session;
+    Dynamo's compile context is set on every version.
+    """
+    if torch.compiler.is_compiling():
+        return True
+    guards = sys.modules.get("torch._guards")  # loaded by Dynamo; absent, nothing is being compiled
+    return guards is not None and guards.CompileContext.try_get() is not None
+
+
 def register_mods(score_mod: Optional[Callable], mask_mod: Optional[Callable]) -> str:
     """The registry key of this (score_mod, mask_mod) pair; the same function objects get the same key for as long
     as the entry is kept (always, once a torch.compile graph holds it)."""
     pair = (score_mod, mask_mod)
     key = _KEYS.get(pair)
-    compiling = torch.compiler.is_compiling()
+    compiling = dynamo_compiling()
     if key is None:
         with _LOCK:
             key = _KEYS.get(pair)

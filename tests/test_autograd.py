@@ -433,12 +433,17 @@ def test_torch_compile_fullgraph_through_flex_attention(monkeypatch):
         assert rel_l2(a.float(), t.grad.float()) < 1e-3
 
 
-def test_mods_made_afresh_every_step_do_not_pile_up(monkeypatch):
+@pytest.mark.parametrize("session_flag", [True, False], ids=["is_compiling-held", "is_compiling-traced-only"])
+def test_mods_made_afresh_every_step_do_not_pile_up(monkeypatch, session_flag):
     """A model that defines its score_mod inside forward registers a new pair at every step: the registry keeps the
     newest eager entries only, a backward still finds the entry of a forward whose key was dropped meanwhile, and a
-    key that a torch.compile graph holds is never dropped."""
+    key that a torch.compile graph holds is never dropped. Some torch versions report `is_compiling()` True only in
+    traced code, not in the constant function Dynamo runs eagerly (`session_flag=False` makes this one do so)."""
+    import contextlib
     from torch._dynamo.testing import CompileCounterWithBackend
     monkeypatch.setattr(_ops, "EAGER_ENTRIES_KEPT", 3)
+    if not session_flag:
+        monkeypatch.setattr(torch.compiler, "_compile_session_context", contextlib.nullcontext, raising=False)
 
     def causal_step(q, k, v):
         def shift(score, b, h, q_idx, kv_idx):
