@@ -13,7 +13,7 @@ FAST = dict(warmup_ms=1.0, rep_ms=5.0)
 
 
 def _dense(mask_mod, S, B=1, H=1):
-    return create_mask(mask_mod, B, H, S, S)
+    return create_mask(mask_mod, B, H, S, S, device="cpu")
 
 
 def test_plain_form_uses_params_as_names():

@@ -39,7 +39,7 @@ def rel_bias(score, b, h, q_idx, kv_idx):
 def test_small_figure_equals_create_mask(mod, q_len, kv_len):
     b, h = 1, 2
     fig = plot_mask(mod, q_len=q_len, kv_len=kv_len, b=b, h=h)
-    dense = create_mask(mod, 2, 3, q_len, kv_len)[b, h]
+    dense = create_mask(mod, 2, 3, q_len, kv_len, device="cpu")[b, h]
     z = torch.tensor(fig.data[0].z)
     assert z.shape == (q_len, kv_len)
     assert torch.equal(z.bool(), dense)
@@ -77,7 +77,7 @@ def test_aggregated_cells_equal_block_means():
     q_len, kv_len = 1000, 777                          # ragged last cells on both axes
     grid = mask_grid(sliding, q_len=q_len, kv_len=kv_len, max_cells=32, exact=True)
     assert grid.aggregated and grid.exact and (grid.q.cell, grid.kv.cell) == (32, 32)
-    dense = create_mask(sliding, 1, 1, q_len, kv_len)[0, 0].double()
+    dense = create_mask(sliding, 1, 1, q_len, kv_len, device="cpu")[0, 0].double()
     for i in range(grid.q.n_cells):
         for j in range(grid.kv.n_cells):
             block = dense[i * 32:(i + 1) * 32, j * 32:(j + 1) * 32]
@@ -116,8 +116,8 @@ def test_128k_runs_in_small_memory():
 def test_compare_mods_has_both_and_difference():
     fig = compare_mods(causal, sliding, q_len=64, kv_len=64)
     za, zb, zd = (torch.tensor(t.z) for t in fig.data)
-    assert torch.equal(za.bool(), create_mask(causal, 1, 1, 64, 64)[0, 0])
-    assert torch.equal(zb.bool(), create_mask(sliding, 1, 1, 64, 64)[0, 0])
+    assert torch.equal(za.bool(), create_mask(causal, 1, 1, 64, 64, device="cpu")[0, 0])
+    assert torch.equal(zb.bool(), create_mask(sliding, 1, 1, 64, 64, device="cpu")[0, 0])
     assert torch.equal(zd, za - zb)
 
 
@@ -141,5 +141,5 @@ def test_widget_sliders_redraw_for_chosen_head():
     box.h_slider.value = 3
     box.b_slider.value = 1
     z = torch.tensor(box.figure.data[0].z)
-    assert torch.equal(z.bool(), create_mask(head_dependent, 2, 4, 12, 12)[1, 3])
+    assert torch.equal(z.bool(), create_mask(head_dependent, 2, 4, 12, 12, device="cpu")[1, 3])
     assert "flexlab-mask-plot" in box._dom_classes

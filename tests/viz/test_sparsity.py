@@ -38,7 +38,7 @@ def test_counts_equal_block_mask_tensors(q_len, kv_len):
 def test_states_match_dense_mask_per_tile():
     q_len, kv_len, t = 300, 200, 64
     rep = inspect_blocks(per_head_window, 1, 2, q_len, kv_len, tile=t)
-    dense = create_mask(per_head_window, 1, 2, q_len, kv_len)
+    dense = create_mask(per_head_window, 1, 2, q_len, kv_len, device="cpu")
     for h in range(2):
         for i in range(rep.states.shape[2]):
             for j in range(rep.states.shape[3]):
