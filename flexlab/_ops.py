@@ -13,15 +13,16 @@ kernel's algorithm), so the ops, their autograd formula and their tracing are te
 from __future__ import annotations
 
 import itertools
-import sys
 import threading
 from collections import OrderedDict
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
+from torch._guards import CompileContext  # loaded by `import torch` itself, unlike Dynamo
 
 from .errors import FlexlabValueError
+
 
 def constant_under_compile(fn: Callable) -> Callable:
     """`torch._dynamo.assume_constant_result`, without importing Dynamo (a second or more) when flexlab is imported.
@@ -108,8 +109,7 @@ def dynamo_compiling() -> bool:
     """
     if torch.compiler.is_compiling():
         return True
-    guards = sys.modules.get("torch._guards")  # loaded by Dynamo; absent, nothing is being compiled
-    return guards is not None and guards.CompileContext.try_get() is not None
+    return CompileContext.try_get() is not None
 
 
 def register_mods(score_mod: Optional[Callable], mask_mod: Optional[Callable]) -> str:
