@@ -107,9 +107,7 @@ def dynamo_compiling() -> bool:
     There `torch.compiler.is_compiling()` is True only on torch versions that hold it for the whole compile session;
     Dynamo's compile context is set on every version.
     """
-    if torch.compiler.is_compiling():
-        return True
-    return CompileContext.try_get() is not None
+    return torch.compiler.is_compiling() or CompileContext.try_get() is not None
 
 
 def register_mods(score_mod: Optional[Callable], mask_mod: Optional[Callable]) -> str:
