@@ -59,7 +59,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .config import REGISTERS_PER_SM, SMEM_BYTES_SM90, default_config
+from .config import REGISTERS_PER_SM, SMEM_BYTES_SM90, TILE_SLOT_WORDS, TILE_SLOTS, default_config
 
 BWD_HEAD_DIMS = (64, 128, 256)
 # Head dims above this split dK and dV by columns over two consumer warpgroups that share one 64-row KV tile
@@ -83,6 +83,15 @@ D64_MAX_MASK_OPS = 12
 # hence no block mask: steps merging the mask rows they cover measured 0.93-1.03x
 # (bwd_tile_m80_masked_h200_2026-12-01.json).
 DENSE_TILE_M = 80
+# SMs of the GPU the sweeps run on (the launcher asks the device itself)
+H200_SMS = 132
+# Persistent CTAs (`BwdConfig.persistent_ctas`) where a KV tile walks at most this many query tiles on average
+# (summed over its GQA group; `runs_persistent`). Main kernel against one CTA per tile, timed in turns (H200, three
+# runs; benchmarks/results/bwd_persistent_h200_2026-12-02*.json): ~9 steps (D=64 sliding window) 1.04-1.08x, ~16
+# (D=64 documents, D=128 soft-cap B2·S2k) 1.02-1.06x, ~18 (D=128 sliding window) 1.03-1.07x; ~31-33 (D=128 causal
+# and documents B4·S4k) 0.99-1.01x; 52-128 (dense B4·S4k, causal S16k) 0.96-1.00x. Each tile's start (K, V and the
+# first Q/dO loads, ~5 µs of a one-tile CTA's life besides its steps) now overlaps the previous tile's epilogue.
+PERSISTENT_MAX_MEAN_STEPS = 24
 # Block-sparse backward kernels run their KV tiles longest-first within L2-sized head groups (`lpt_order`).
 LPT_ORDER = True
 # `lpt_order`: bytes of Q, dO and the fp32 dQ sums one group of (batch, KV head) pairs may hold in L2 together.
@@ -131,6 +140,25 @@ class BwdConfig:
     # keys, 64 or 128 query columns) instead of evaluating mask_mod; chosen where the forward's are
     # (`kernels.config.STORE_MASK_BITS`: masks that read captured tensors).
     mask_bits: bool = False
+    # >0: persistent CTAs, at most this many (the launcher sets the SM count), each running KV tiles one after
+    # another as the producer warp claims them from a global counter (the forward's `claim_tile`) and hands them to
+    # the consumers and the dQ warp through shared-memory slots. dK and dV leave through the dS buffers instead of
+    # over K and V, so the next tile's K, V and first Q/dO stages load while this tile's epilogue runs, instead of
+    # after the CTA has ended and the next one has started (`persistent_fits`).
+    persistent_ctas: int = 0
+    # The launcher runs persistent CTAs, one per SM, where the KV tiles walk few query tiles (`runs_persistent`):
+    # there a CTA's start and end are a large share of its work. Off for the sweep's one-tile-per-CTA candidate.
+    persistent_short_tiles: bool = True
+
+    @property
+    def persistent(self) -> bool:
+        return self.persistent_ctas > 0
+
+    @property
+    def persistent_fits(self) -> bool:
+        """A dK tile (16 bit) fits in the two dS buffers (dV follows it there once its store has read them, unless
+        both fit: head_dim <= tile_m)."""
+        return self.tile_n * self.head_dim <= 2 * self.tile_m * self.tile_n
 
     @property
     def split_head_dim(self) -> bool:
@@ -164,6 +192,8 @@ class BwdConfig:
         def up(n):
             return -(-n // 1024) * 1024
         head = 8 * (2 + 2 * self.num_stages + self.anchored_wait)  # mbarriers: K/V, Q/dO per stage, the anchor
+        if self.persistent:  # the tile slots: two mbarriers and TILE_SLOT_WORDS words each
+            head += TILE_SLOTS * (16 + 4 * TILE_SLOT_WORDS)
         if self.stats_in_smem:
             head += 2 * self.num_stages * self.tile_m * 4
         kv = 2 * self.tile_n * self.head_dim * self.dtype_bytes  # K and V (reused for dK, dV in the epilogue)
@@ -199,6 +229,12 @@ class BwdConfig:
         if self.dq_split_rows and self.tile_m != 64 * self.num_consumer_wgs:
             return (f"dq_split_rows gives each of the {self.num_consumer_wgs} consumer warpgroups 64 query rows of "
                     f"dQ: tile_m must be {64 * self.num_consumer_wgs}, got {self.tile_m}")
+        if self.persistent and (self.split_head_dim or not self.dq_warp or not self.persistent_fits
+                                or not (self.kv_tiles_first or self.lpt_order)):
+            return ("persistent_ctas > 0 stages dK and dV in the dS buffers and hands tiles to the dQ warp: it needs "
+                    "dq_warp, no split head dim, head_dim <= 2 * tile_m, and kv_tiles_first or lpt_order")
+        if self.persistent_ctas < 0:
+            return f"persistent_ctas={self.persistent_ctas} must be 0 (off) or a CTA count"
         if self.dq_red and self.dq_warp:
             return "dq_red adds the dQ partials from the consumer threads: there is no reduce for a dQ warp to issue"
         if self.smem_bytes() > SMEM_BYTES_SM90:
@@ -277,6 +313,15 @@ def default_bwd_config(head_dim: int, deterministic: bool = False, mod_grads: bo
                      lpt_order=_tile_order(deterministic, q_block))
 
 
+def runs_persistent(cfg: BwdConfig, mean_steps: float, deterministic: bool, captured_grads: bool = False) -> bool:
+    """Whether the launcher runs `cfg` as persistent CTAs for KV tiles of `mean_steps` query tiles on average. Not in
+    deterministic mode (its dQ turns follow the launch order), nor with gradients of captured tensors (their open
+    runs take the registers the tile loop needs: a learnable relative bias at D=128 then spilled 8 bytes)."""
+    return (cfg.persistent_short_tiles and not cfg.persistent and not deterministic and not captured_grads
+            and mean_steps <= PERSISTENT_MAX_MEAN_STEPS
+            and replace(cfg, persistent_ctas=H200_SMS).feasibility_error() is None)
+
+
 def _tile_order(deterministic: bool, q_block: int | None) -> bool:
     """Whether the CTAs follow a launcher-built order: longest first under a block mask (`LPT_ORDER`), turn order in
     deterministic mode (`TURN_ORDER`)."""
@@ -293,7 +338,7 @@ def shares_block_mask_with_forward(head_dim: int, block_size: int = 128) -> bool
 
 
 def candidate_bwd_configs(head_dim: int, deterministic: bool = False, mod_grads: bool = False,
-                          q_block: int | None = None) -> dict[str, BwdConfig]:
+                          q_block: int | None = None, num_sms: int = H200_SMS) -> dict[str, BwdConfig]:
     """Named configurations the GPU sweep (`tests/kernels/bwd_perf_sweep.py`) compares with the default of that mode:
     the other CTA order, LSE2/D from global memory, each other option flipped, and at D=64 the other Q step and dQ
     split. (The former `combined` candidate, dK after dQ with a third stage or 128-row steps, became the default or
@@ -330,6 +375,10 @@ def candidate_bwd_configs(head_dim: int, deterministic: bool = False, mod_grads:
         cands["dq_red"] = replace(base, dq_red=True, dq_warp=False)
         more = base.num_stages + 1
         cands[f"dq_red_stages{more}"] = replace(base, dq_red=True, dq_warp=False, num_stages=more)
+    if not deterministic and replace(base, persistent_ctas=num_sms).feasibility_error() is None:
+        # persistent CTAs, and one CTA per tile whatever the tiles' length (`runs_persistent`)
+        cands["persistent"] = replace(base, persistent_ctas=num_sms)
+        cands["one_tile_per_cta"] = replace(base, persistent_short_tiles=False)
     if deterministic:  # `neither` is then the other order with global stats: not a new question
         del cands["neither"]
     # (outside deterministic mode for block-sparse rows only: the launcher drops it without a block mask)

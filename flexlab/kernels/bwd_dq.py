@@ -33,8 +33,10 @@ from cutlass.cute.nvgpu import OperandMajorMode
 from cutlass.cutlass_dsl import dsl_user_op
 
 from .block_sparse import KvSchedule
+from .config import TILE_SLOTS
 from .layout import tma_tiles
 from .named_barrier import BwdBarrier
+from .tile_scheduler import consumer_state_at, take_tile
 
 # consumer warpgroup (128 threads) + the dQ warp
 DQ_HANDOFF_THREADS = 128 + 32
@@ -206,13 +208,36 @@ class BwdDqReduce:
 
     @cute.jit
     def write_dq(self, mdQ, storage, sdQ_layout, tma_dq, n_block: Int32, head_kv: Int32, batch: Int32,
-                 qhead_per_kvhead: Int32, num_m_blocks: Int32, sparse, mdQsem, mRank):
-        """The dQ warp (`BwdConfig.dq_warp`): for every step of the consumers' walk and every consumer warpgroup,
-        wait for its partial (DQ_FULL), reduce it into global memory with TMA (in deterministic mode in its fixed
-        turn), and hand the slab back once the copy has read it (DQ_EMPTY). The slabs start free."""
-        sdQ = storage.sdQ.get_tensor(sdQ_layout)  # (lines, 256, warpgroup)
+                 qhead_per_kvhead: Int32, num_m_blocks: Int32, sparse, mdQsem, mRank, tiles):
+        """The dQ warp (`BwdConfig.dq_warp`): the reduces of this CTA's KV tile, or (`tiles`, persistent CTAs) of
+        every tile the producer warp hands over (`write_dq_tile`).
+
+        The slabs start free, which the warp says once up front (DQ_EMPTY); the consumers wait for a hand-back before
+        every write of a partial, whichever tile it belongs to, and once more at the end of the CTA. (A hand-back up
+        front per tile would race: the warp could arrive twice on DQ_EMPTY before the consumers passed it once. So
+        persistent CTAs never stage anything over the slabs, `FlexBwdSm90.epilogue`.)"""
         for w in cutlass.range_constexpr(self.num_wg):
             cute.arch.barrier_arrive(barrier_id=int(BwdBarrier.DQ_EMPTY_WG1) + w, number_of_threads=DQ_HANDOFF_THREADS)
+        if cutlass.const_expr(tiles is not None):
+            pipe_tile, slots = tiles[2], tiles[3]
+            done = Int32(0)
+            valid, n_block, head_kv, batch, _ = take_tile(pipe_tile, slots, consumer_state_at(TILE_SLOTS, done))
+            while valid > 0:
+                self.write_dq_tile(mdQ, storage, sdQ_layout, tma_dq, n_block, head_kv, batch, qhead_per_kvhead,
+                                   num_m_blocks, sparse, mdQsem, mRank)
+                done += 1
+                valid, n_block, head_kv, batch, _ = take_tile(pipe_tile, slots, consumer_state_at(TILE_SLOTS, done))
+        else:
+            self.write_dq_tile(mdQ, storage, sdQ_layout, tma_dq, n_block, head_kv, batch, qhead_per_kvhead,
+                               num_m_blocks, sparse, mdQsem, mRank)
+
+    @cute.jit
+    def write_dq_tile(self, mdQ, storage, sdQ_layout, tma_dq, n_block: Int32, head_kv: Int32, batch: Int32,
+                      qhead_per_kvhead: Int32, num_m_blocks: Int32, sparse, mdQsem, mRank):
+        """For every step of the consumers' walk of one KV tile and every consumer warpgroup, wait for its partial
+        (DQ_FULL), reduce it into global memory with TMA (in deterministic mode in its fixed turn), and hand the slab
+        back once the copy has read it (DQ_EMPTY)."""
+        sdQ = storage.sdQ.get_tensor(sdQ_layout)  # (lines, 256, warpgroup)
         for g in cutlass.range(qhead_per_kvhead, unroll=1):
             head = head_kv * qhead_per_kvhead + g
             sched = KvSchedule(sparse, batch, head, n_block, num_m_blocks)

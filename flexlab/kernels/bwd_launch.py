@@ -25,7 +25,7 @@ import torch
 
 from ..errors import BackendUnavailableError
 from ..runtime.disk_cache import KernelCache, StampedKey, source_fingerprint
-from ..runtime.launch import tma_ready
+from ..runtime.launch import _sm_count, tile_counter, tma_ready
 from . import bwd_config
 from .bwd_config import BwdConfig, default_bwd_config
 
@@ -231,6 +231,7 @@ class QLists:
         self._ranks: dict[tuple, torch.Tensor] = {}
         self._orders: dict[tuple, torch.Tensor] = {}
         self._in_q_order: dict[int, QLists] = {}
+        self._mean_visits: float | None = None
 
     def tile_order(self, batch: int, kv_heads: int, qhead_per_kvhead: int, seqlen_q: int, head_dim: int):
         """`BwdConfig.lpt_order`'s CTA order for these lists, built once per shape (`lpt_tile_order`)."""
@@ -240,6 +241,13 @@ class QLists:
             hit = self._orders[key] = lpt_tile_order(self.tensors, batch, kv_heads, qhead_per_kvhead, seqlen_q,
                                                      head_dim)
         return hit
+
+    def mean_visits(self) -> float:
+        """Query tiles a KV tile walks, on average over the lists (one device sync, once)."""
+        if self._mean_visits is None:
+            num, _, fnum, _ = self.tensors[:4]
+            self._mean_visits = float((num + fnum).sum()) / max(1, num.numel())
+        return self._mean_visits
 
     def in_q_order(self, num_m_tiles: int) -> "QLists":
         """These lists walked in ascending Q order where a tile lists a partial Q tile after a full one
@@ -467,14 +475,17 @@ def _kernels(g, grad_slots, kernel_aux, dtype: torch.dtype, cfg: BwdConfig, spar
 
 def backward_kernels(g, grad_slots, dtype: torch.dtype, head_dim: int, q_block: int | None = None,
                      has_dlse: bool = False, deterministic: bool = False, arch: str = "sm_90a",
-                     mask_bits: bool = False) -> Kernels:
+                     mask_bits: bool = False, persistent_ctas: int = 0) -> Kernels:
     """The compiled kernels a backward call with the generated mods `g` (None: none) would run, without running them
     (precompilation): `grad_slots` the captured tensors that require grad, `q_block` the block mask's Q block size
     (None without a mask), `mask_bits` whether the mods store partial-block bits (`ModEntry.stored_masks`; used where
-    the tiles allow, as `stored_bits` decides)."""
+    the tiles allow, as `stored_bits` decides), `persistent_ctas` the SM count where the call's KV tiles are short
+    (`bwd_config.runs_persistent`), else 0."""
     cfg = config_for(head_dim, deterministic, g, bool(grad_slots), q_block)
     if mask_bits and q_block is not None:
         cfg = with_mask_bits(cfg)
+    if persistent_ctas:
+        cfg = replace(cfg, persistent_ctas=persistent_ctas)
     kernel_aux = tuple(g.kernel_aux_tensors()) if g is not None else ()
     return _kernels(g, grad_slots, kernel_aux, dtype, cfg, q_block is not None, has_dlse, deterministic, arch)
 
@@ -552,6 +563,12 @@ def _build_plan(q, k, entry, cfg: BwdConfig, block_mask, block_size, determinist
             tile_order = masks.tile_order(B, Hkv, Hq // Hkv, Sq, D)
     if turns:  # under a block mask the higher KV tiles first
         tile_order = turn_tile_order(-(-Skv // cfg.tile_n), B, Hkv, Hq // Hkv, Sq, D, walk is not None, dev)
+    if dev.type == "cuda" and cfg.persistent_short_tiles and not deterministic:
+        # query tiles a KV tile walks, summed over its GQA group (a mask's lists are read once, `QLists.mean_visits`)
+        steps = (walk.mean_visits() if walk is not None else -(-Sq // cfg.tile_m)) * (Hq // Hkv)
+        captured_grads = bool(entry.grad_slots) and g is not None and g.has_score_mod
+        if bwd_config.runs_persistent(cfg, steps, deterministic, captured_grads):
+            cfg = replace(cfg, persistent_ctas=_sm_count(dev))
     kernels = _kernels(g, entry.grad_slots, kernel_aux, q.dtype, cfg, masks is not None, has_dlse, deterministic,
                        arch)
     rank = walk.ranks(sq_pad // cfg.tile_m, turns) if deterministic and walk is not None else None
@@ -591,7 +608,7 @@ def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, bloc
     # Argument order = the kernels' __call__ signatures; None for an input compiled as absent.
     kernels.pre(out, dout, lse.contiguous(), dlse.contiguous() if dlse is not None else None, dpsum, lse2, dq_accum)
     kernels.main(q, k, v, dout, lse2, dpsum, dq_accum, dk, dv, scale, Hq // k.shape[1], plan.sparse, kernel_aux,
-                 scalars, grads, sem, plan.rank, plan.tile_order)
+                 scalars, grads, sem, plan.rank, plan.tile_order, tile_counter(dev) if cfg.persistent else None)
     kernels.post(dq_accum, dq, scale)
     if kernels.grad_dtype == torch.int64:
         from .bwd_aux_grad import from_fixed_point

@@ -1,4 +1,4 @@
-"""The backward's producer warp: K and V once per CTA, then one (Q, dO) tile pair per step into the stage ring.
+"""The backward's producer warp: K and V once per KV tile, then one (Q, dO) tile pair per step into the stage ring.
 
 With `BwdConfig.stats_in_smem` each stage also receives the step's LSE2 and D rows (tile_m fp32 each, one bulk copy
 apiece, completing on the stage's barrier), so the consumers read them from shared memory instead of waiting on
@@ -16,8 +16,10 @@ from cutlass import Int32
 from cutlass.cute.nvgpu import cpasync
 
 from .block_sparse import KvSchedule
+from .config import TILE_SLOT_WORDS, TILE_SLOTS
 from .layout import tma_tiles
 from .stage_waits import acquire_empty
+from .tile_scheduler import claim_tile, hand_over_words
 
 
 class BwdProducer:
@@ -26,20 +28,57 @@ class BwdProducer:
     @cute.jit
     def load(self, mQ, mK, mV, mdO, sQ, sK, sV, sdO, tma_q, tma_k, tma_v, tma_do, pipe_kv, pipe_qdo,
              n_block: Int32, head_kv: Int32, batch: Int32, qhead_per_kvhead: Int32, num_m_blocks: Int32, sparse,
-             stats):
-        """Producer warp: K and V once, then (Q, dO[, LSE2, D]) per query tile of every query head in the GQA group.
+             stats, tiles):
+        """Producer warp: this CTA's KV tile, or (`BwdConfig.persistent_ctas`) its block index first and then every
+        tile the counter hands out, each passed on to the consumers and the dQ warp before its loads.
 
-        `stats`: None, or (mLSE2, mDpsum, sLSE2, sDpsum) when the row statistics travel through shared memory."""
+        `stats`: None, or (mLSE2, mDpsum, sLSE2, sDpsum) when the row statistics travel through shared memory;
+        `tiles`: None, or (tile counter, tile count, slot pipeline, slot words, tile order, KV tiles, KV heads)."""
+        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        if cutlass.const_expr(tiles is not None):
+            counter, num_tiles, pipe_tile, slots = tiles[0], tiles[1], tiles[2], tiles[3]
+            slot = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, TILE_SLOTS)
+            work = Int32(cute.arch.block_idx()[0])
+            while work < num_tiles:
+                # Claimed now, used after this tile's loads: the atomic's round trip hides behind them.
+                next_work = claim_tile(counter, num_tiles)
+                n_block, head_kv, batch = self.work_coords(work, tiles)
+                hand_over_words(pipe_tile, slots, slot, (Int32(1), n_block, head_kv, batch, Int32(0), Int32(0)))
+                slot.advance()
+                kv_state, state = self.load_tile(mQ, mK, mV, mdO, sQ, sK, sV, sdO, tma_q, tma_k, tma_v, tma_do,
+                                                 pipe_kv, pipe_qdo, n_block, head_kv, batch, qhead_per_kvhead,
+                                                 num_m_blocks, sparse, stats, kv_state, state)
+                work = next_work
+            hand_over_words(pipe_tile, slots, slot, tuple(Int32(0) for _ in range(TILE_SLOT_WORDS)))
+        else:
+            self.load_tile(mQ, mK, mV, mdO, sQ, sK, sV, sdO, tma_q, tma_k, tma_v, tma_do, pipe_kv, pipe_qdo, n_block,
+                           head_kv, batch, qhead_per_kvhead, num_m_blocks, sparse, stats, kv_state, state)
+
+    @cute.jit
+    def work_coords(self, work: Int32, tiles) -> tuple:
+        """(KV tile, KV head, batch) of work item `work`: a row of the launcher's order, or KV tiles fastest."""
+        order, num_n_blocks, num_kv_heads = tiles[4], tiles[5], tiles[6]
+        if cutlass.const_expr(order is not None):
+            return Int32(order[work, 0]), Int32(order[work, 1]), Int32(order[work, 2])
+        hb = work // num_n_blocks
+        return work - hb * num_n_blocks, hb % num_kv_heads, hb // num_kv_heads
+
+    @cute.jit
+    def load_tile(self, mQ, mK, mV, mdO, sQ, sK, sV, sdO, tma_q, tma_k, tma_v, tma_do, pipe_kv, pipe_qdo,
+                  n_block: Int32, head_kv: Int32, batch: Int32, qhead_per_kvhead: Int32, num_m_blocks: Int32, sparse,
+                  stats, kv_state, state):
+        """K and V of one KV tile (once the consumers have released the last tile's), then (Q, dO[, LSE2, D]) per
+        query tile of every query head in the GQA group. Returns the advanced pipeline states."""
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
         tKsK, tKgK = tma_tiles(tma_k, sK, gK)
         tVsV, tVgV = tma_tiles(tma_v, sV, gV)
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         pipe_kv.producer_acquire(kv_state)
         cute.copy(tma_k, tKgK, tKsK, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
         cute.copy(tma_v, tVgV, tVsV, tma_bar_ptr=pipe_kv.producer_get_barrier(kv_state))
+        kv_state.advance()
 
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         for g in cutlass.range(qhead_per_kvhead, unroll=1):
             head = head_kv * qhead_per_kvhead + g
             gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
@@ -56,6 +95,7 @@ class BwdProducer:
                 if cutlass.const_expr(stats is not None):
                     self.load_row_stats(stats, batch, head, m_block, state.index, bar)
                 state.advance()
+        return kv_state, state
 
     @cute.jit
     def load_row_stats(self, stats, batch: Int32, head: Int32, m_block: Int32, stage: Int32, bar):

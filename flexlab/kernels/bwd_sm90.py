@@ -34,6 +34,11 @@ CTA order: KV tiles first (the CTAs of one head side by side, sharing Q and dO i
 deterministic mode, the launcher's longest-first order within L2-sized head groups (`BwdConfig.lpt_order`); in
 deterministic mode, the launcher's turn order (`bwd_launch.turn_tile_order`).
 
+Persistent CTAs (`BwdConfig.persistent_ctas`, where KV tiles walk few query tiles): one CTA per SM takes the tiles
+in that same order, the producer warp claiming each next one from a global counter and handing it to the consumers
+and the dQ warp through shared-memory slots (`tile_scheduler`). The consumers give K and V back after a tile's last
+step and stage dK and dV in the dS buffers, so the next tile's K, V and first Q/dO stages load during the epilogue.
+
 Deterministic mode: dK/dV are already run-to-run identical (one CTA, fixed order). dQ partials are fp32 sums over KV
 tiles, so their order is fixed: before the TMA reduce-add of a warpgroup's partial into Q tile m, the issuing warp
 waits (acquire) until a semaphore for (batch, head, m, half) counts the KV tiles that visit m before it (the lower
@@ -65,8 +70,10 @@ from .bwd_dq import (DQ_HANDOFF_THREADS, SLAB_LINE, BwdDqReduce, dq_accum_lines,
                      dq_slab_layout, fragment_order, make_dq_tiled_mma)
 from .bwd_producer import BwdProducer
 from .bwd_step import BwdStep, StepOperands, opaque_i32
+from .config import TILE_SLOT_WORDS, TILE_SLOTS
 from .layout import bshd_view, convert_to_16bit, tma_tiles, transpose_smem
 from .named_barrier import BwdBarrier
+from .tile_scheduler import consumer_state_at, take_tile
 
 __all__ = ["BwdBarrier", "FlexBwdSm90", "dq_issuer", "fake_arguments"]
 
@@ -128,6 +135,10 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         self.early_dv = cfg.early_dv and not self.lean  # (the lean plan issues dV early in its own way)
         self.dq_warp = cfg.dq_warp
         self.dq_red = cfg.dq_red
+        self.persistent = cfg.persistent
+        if self.persistent and deterministic:
+            raise ValueError("persistent backward CTAs take tiles as they come; deterministic mode's dQ turns need "
+                             "the launch order (persistent_ctas=0)")
 
     def stats_bytes(self) -> int:
         """Bytes of LSE2 and D rows that land with each Q/dO stage (0 unless stats_in_smem)."""
@@ -140,6 +151,9 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         fields = {"mbar_kv": MemRange[Int64, 2], "mbar_qdo": MemRange[Int64, 2 * self.num_stages]}
         if self.cfg.anchored_wait:  # nobody waits on it (`stage_waits.arrive_after`)
             fields["mbar_anchor"] = MemRange[Int64, 1]
+        if self.persistent:  # the producer warp's tile hand-over (`tile_scheduler.hand_over_words`)
+            fields.update(mbar_tile=MemRange[Int64, 2 * TILE_SLOTS],
+                          tile_slots=MemRange[Int32, TILE_SLOTS * TILE_SLOT_WORDS])
         if self.stats_in_smem:  # bulk-copy destinations: 16-byte aligned
             rows = self.tile_m * self.num_stages
             fields.update(sLSE2=Align[MemRange[Float32, rows], 16], sDpsum=Align[MemRange[Float32, rows], 16])
@@ -158,12 +172,13 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE2: cute.Tensor,
                  mDpsum: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                  softmax_scale: Float32, qhead_per_kvhead: Int32, sparse, aux_tensors: tuple, aux_scalars: tuple,
-                 aux_grads: tuple, mdQsem, mRank, mTileOrder, stream: cuda.CUstream):
+                 aux_grads: tuple, mdQsem, mRank, mTileOrder, tile_counter, stream: cuda.CUstream):
         """mQ/mdO (B, Hq, Sq, D), mK/mV/mdK/mdV (B, Hkv, Skv, D); mLSE2/mDpsum (B, Hq, Sq_pad) and mdQaccum
         (B, Hq, Sq_pad, D) fp32 with Sq_pad a multiple of tile_m; `sparse` = Q-direction block lists or None.
         Deterministic mode: mdQsem (B, Hq, Sq_pad / tile_m, consumer warpgroups) int32 zeros, and with a block mask
         mRank (Bm, Hm, KV tiles, Q tiles) int32: how many KV tiles visit that Q tile before this one in turn. With
-        `lpt_order`, mTileOrder (B * Hkv * KV tiles, 3) int32: the (KV tile, KV head, batch) CTA i works on."""
+        `lpt_order`, mTileOrder (B * Hkv * KV tiles, 3) int32: the (KV tile, KV head, batch) CTA i works on. With
+        `persistent_ctas`, tile_counter: the zeroed int32 (1,) counter the CTAs claim tiles from (left at 0)."""
         mQ, mK, mV, mdO, mdK, mdV = [bshd_view(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]
         tile_m, tile_n, hd = self.tile_m, self.tile_n, self.head_dim
         mdQlines = dq_accum_lines(mdQaccum, hd)
@@ -229,9 +244,11 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
             grid = [cute.ceil_div(mK.shape[0], tile_n), cute.size(mK.shape[2]), cute.size(mK.shape[3])]
         if cutlass.const_expr(mTileOrder is not None):  # one CTA per row of the launcher's order
             grid = [cute.size(mTileOrder.shape[0]), 1, 1]
+        if cutlass.const_expr(self.persistent):  # at most persistent_ctas CTAs walking the tiles in that order
+            grid = [cutlass.min(grid[0] * grid[1] * grid[2], self.cfg.persistent_ctas), 1, 1]
         self.kernel(mQ_t, mK_t, mV_t, mdO_t, mdK_t, mdV_t, mdQ_t, mLSE2, mDpsum, tma_q, tma_k, tma_v, tma_do,
                     tma_dk, tma_dv, tma_dq, softmax_scale, log2_scale, qhead_per_kvhead, sparse, aux_tensors,
-                    aux_scalars, aux_grads, mdQsem, mRank, mTileOrder, sKV_layout, sQ_layout, sdS_layout,
+                    aux_scalars, aux_grads, mdQsem, mRank, mTileOrder, tile_counter, sKV_layout, sQ_layout, sdS_layout,
                     sdQ_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, Storage).launch(
             grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -242,7 +259,7 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
                tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_do: cute.CopyAtom,
                tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom, tma_dq, softmax_scale: Float32,
                log2_scale: Float32, qhead_per_kvhead: Int32, sparse, aux_tensors, aux_scalars, aux_grads, mdQsem,
-               mRank, mTileOrder,
+               mRank, mTileOrder, tile_counter,
                sKV_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
                sdQ_layout: cute.Layout, tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma,
                tiled_mma_dq: cute.TiledMma, Storage: cutlass.Constexpr):
@@ -270,6 +287,20 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
             if warp_idx == 0:
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_init(storage.mbar_anchor.data_ptr(), 1)
+        num_n_blocks = cute.ceil_div(mK.shape[0], self.tile_n)
+        tiles = None  # persistent: (counter, tile count, slot pipeline, slot words, order, KV tiles, KV heads)
+        if cutlass.const_expr(self.persistent):
+            # consumed by every consumer thread and the dQ warp
+            pipe_tile = pipeline.PipelineAsync.create(
+                barrier_storage=storage.mbar_tile.data_ptr(), num_stages=TILE_SLOTS, producer_group=tma_thread,
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_threads + 32),
+                defer_sync=True)
+            num_tiles = num_n_blocks * cute.size(mK.shape[2]) * cute.size(mK.shape[3])
+            if cutlass.const_expr(mTileOrder is not None):
+                num_tiles = cute.size(mTileOrder.shape[0])
+            tiles = (tile_counter, num_tiles, pipe_tile,
+                     storage.tile_slots.get_tensor(cute.make_layout((TILE_SLOT_WORDS, TILE_SLOTS))), mTileOrder,
+                     num_n_blocks, cute.size(mK.shape[2]))
         pipeline.pipeline_init_arrive()
 
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
@@ -299,18 +330,19 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.load(mQ, mK, mV, mdO, sQ, sK, sV, sdO, tma_q, tma_k, tma_v, tma_do, pipe_kv, pipe_qdo,
-                          n_block, head_kv, batch, qhead_per_kvhead, num_m_blocks, sparse, stats)
+                          n_block, head_kv, batch, qhead_per_kvhead, num_m_blocks, sparse, stats, tiles)
             if cutlass.const_expr(self.dq_warp):
                 if warp_idx == 1:
                     self.write_dq(mdQ, storage, sdQ_layout, tma_dq, n_block, head_kv, batch, qhead_per_kvhead,
-                                  num_m_blocks, sparse, mdQsem, mRank)
+                                  num_m_blocks, sparse, mdQsem, mRank, tiles)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             tidx = cute.arch.thread_idx()[0] - 128
             self.consume(mQ, mK, mdK, mdV, mdQ, mLSE2, mDpsum, sQ, sK, sV, sdO, sdS, storage, sKV_layout, sdQ_layout,
                          tma_dk, tma_dv, tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_kv, pipe_qdo,
                          tidx, warp_idx, n_block, head_kv, batch, qhead_per_kvhead, num_m_blocks, sparse,
-                         softmax_scale, log2_scale, aux_tensors, aux_scalars, aux_grads, mdQsem, mRank, stats, bits)
+                         softmax_scale, log2_scale, aux_tensors, aux_scalars, aux_grads, mdQsem, mRank, stats, bits,
+                         tiles)
 
     @cute.jit
     def consume(self, mQ, mK, mdK, mdV, mdQ, mLSE2, mDpsum, sQ, sK, sV, sdO, sdS, storage, sKV_layout, sdQ_layout,
@@ -318,7 +350,7 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
                 tiled_mma_dq: cute.TiledMma, pipe_kv, pipe_qdo, tidx: Int32, warp_idx: Int32, n_block: Int32,
                 head_kv: Int32, batch: Int32, qhead_per_kvhead: Int32, num_m_blocks: Int32, sparse,
                 softmax_scale: Float32, log2_scale: Float32, aux_tensors, aux_scalars, aux_grads, mdQsem, mRank,
-                stats, bits):
+                stats, bits, tiles):
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
         wg_sdp = tiled_mma_sdp.get_slice(wg * 128)
@@ -341,10 +373,7 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         else:
             tQrdS = wg_dq.make_fragment_A(wg_dq.partition_A(sdS))
             tQrKt = wg_dq.make_fragment_B(wg_dq.partition_B(transpose_smem(sK)))
-        acc_dK = cute.make_rmem_tensor(wg_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
-        acc_dV = cute.make_rmem_tensor(wg_dkv.partition_shape_C((self.tile_n, self.head_dim)), Float32)
-        acc_dK.fill(0.0)
-        acc_dV.fill(0.0)
+        acc_shape = wg_dkv.partition_shape_C((self.tile_n, self.head_dim))
         s_shape = wg_sdp.partition_shape_C((self.tile_n, self.tile_m))
         dq_shape = dq_fragment_shape(wg_dq, self.tile_m, self.head_dim, self.dq_swap_ab)
         # Element i of a transposed-score accumulator sits at (q, kv) = coords[i], as the forward's helpers expect.
@@ -374,23 +403,53 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
                            coords=coords, st_ds=st_ds, thr_st_ds=thr_st_ds, tdSsdS=tdSsdS,
                            dq_store_view=dq_store_view, sLSE2=sLSE2, sDpsum=sDpsum, stored=None,
                            anchor_mbar=storage.mbar_anchor.data_ptr() if self.cfg.anchored_wait else None)
-        if cutlass.const_expr(bits is not None):  # (bits, KV tile, this thread's first key row, its word = lane % 4)
-            ops.stored = (bits, n_block, coords[0][1], coords[0][0] // 2)
         tight = self.stats_in_smem and (sparse is not None or self.tile_m > 64)
         if cutlass.const_expr(self.rebuild_ds_store or tight):
             ops.tdSsdS = None
             ops.ds_store_view = lambda: cute.make_tiled_copy_C(st_ds, tiled_mma_sdp).get_slice(
                 opaque_i32(cute.arch.thread_idx()[0]) - 128).partition_D(transpose_smem(sdS))
 
-        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
-        kv_start = n_block * self.tile_n
         if cutlass.const_expr(self.grad_runs):  # this thread's open run per captured-tensor gradient buffer
             aux_grads = tuple(GradRun(t) for t in aux_grads)
-
-        kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
-        pipe_kv.consumer_wait(kv_state)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
         ds_index = Int32(0)
+        args = (mQ, mK, mdK, mdV, mdQ, mLSE2, mDpsum, storage, sKV_layout, tma_dk, tma_dv, tma_dq, tiled_mma_sdp,
+                tiled_mma_dkv, tiled_mma_dq, pipe_kv, pipe_qdo, tidx, warp_idx, wg, qhead_per_kvhead, num_m_blocks,
+                sparse, softmax_scale, log2_scale, aux_tensors, aux_scalars, aux_grads, mdQsem, mRank, bits, ops,
+                acc_shape, sdQ_mine)
+        if cutlass.const_expr(tiles is not None):
+            pipe_tile, slots = tiles[2], tiles[3]
+            done = Int32(0)  # tiles taken so far: the K/V and tile-slot pipeline states follow from it
+            valid, n_block, head_kv, batch, _ = take_tile(pipe_tile, slots, consumer_state_at(TILE_SLOTS, done))
+            while valid > 0:
+                state, ds_index = self.consume_tile(*args, n_block, head_kv, batch, consumer_state_at(1, done), state,
+                                                    ds_index)
+                done += 1
+                valid, n_block, head_kv, batch, _ = take_tile(pipe_tile, slots, consumer_state_at(TILE_SLOTS, done))
+            # the dQ warp's last "slab free" (it also arrived once up front)
+            cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_EMPTY_WG1) + wg, number_of_threads=DQ_HANDOFF_THREADS)
+        else:
+            self.consume_tile(*args, n_block, head_kv, batch, consumer_state_at(1, Int32(0)), state, ds_index)
+        if cutlass.const_expr(self.grad_runs):
+            flush_aux_grads(aux_grads)
+
+    @cute.jit
+    def consume_tile(self, mQ, mK, mdK, mdV, mdQ, mLSE2, mDpsum, storage, sKV_layout, tma_dk, tma_dv, tma_dq,
+                     tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_kv, pipe_qdo, tidx: Int32, warp_idx: Int32,
+                     wg: Int32, qhead_per_kvhead: Int32, num_m_blocks: Int32, sparse, softmax_scale: Float32,
+                     log2_scale: Float32, aux_tensors, aux_scalars, aux_grads, mdQsem, mRank, bits, ops, acc_shape,
+                     sdQ_mine, n_block: Int32, head_kv: Int32, batch: Int32, kv_state, state, ds_index: Int32):
+        """One KV tile: dK and dV summed over every query tile (and query head) that attends to it, then stored.
+        Returns the advanced Q/dO pipeline state and dS buffer index, which persistent CTAs carry to their next tile."""
+        acc_dK = cute.make_rmem_tensor(acc_shape, Float32)
+        acc_dV = cute.make_rmem_tensor(acc_shape, Float32)
+        acc_dK.fill(0.0)
+        acc_dV.fill(0.0)
+        if cutlass.const_expr(bits is not None):  # (bits, KV tile, this thread's first key row, its word = lane % 4)
+            ops.stored = (bits, n_block, ops.coords[0][1], ops.coords[0][0] // 2)
+        seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
+        kv_start = n_block * self.tile_n
+        pipe_kv.consumer_wait(kv_state)
         for g in cutlass.range(qhead_per_kvhead, unroll=1):
             head = head_kv * qhead_per_kvhead + g
             sched = KvSchedule(sparse, batch, head, n_block, num_m_blocks)
@@ -406,43 +465,76 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
                           seqlen_k, log2_scale, mods, wg)
                 state.advance()
                 ds_index = 1 - ds_index
-        if cutlass.const_expr(self.dq_warp):  # the dQ warp's last "slab free" (it also arrived once up front)
+        if cutlass.const_expr(self.persistent):
+            # K and V go back to the producer, which loads the next tile's while the epilogue stages dK and dV in the
+            # dS buffers (the dQ warp's last slab hand-back is waited for by the next partial, or at the CTA's end).
+            pipe_kv.consumer_release(kv_state)
+        elif cutlass.const_expr(self.dq_warp):  # the dQ warp's last "slab free" (it also arrived once up front)
             cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_EMPTY_WG1) + wg, number_of_threads=DQ_HANDOFF_THREADS)
         elif cutlass.const_expr(not self.dq_red):
             if dq_issuer():
                 cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last dQ reduce has read shared memory
-        if cutlass.const_expr(self.grad_runs):
-            flush_aux_grads(aux_grads)
         self.epilogue(acc_dK, acc_dV, softmax_scale, mdK, mdV, storage, sKV_layout, tma_dk, tma_dv,
                       tiled_mma_dkv, tidx, warp_idx, n_block, head_kv, batch)
+        return state, ds_index
 
     @cute.jit
     def epilogue(self, acc_dK, acc_dV, softmax_scale: Float32, mdK, mdV, storage, sKV_layout, tma_dk, tma_dv,
                  tiled_mma_dkv, tidx: Int32, warp_idx: Int32, n_block: Int32, head_kv: Int32, batch: Int32):
-        """dK * scale and dV -> 16 bit -> shared memory over K and V -> TMA stores (rows past Skv are clipped)."""
+        """dK * scale and dV -> 16 bit -> shared memory over K and V -> TMA stores (rows past Skv are clipped).
+
+        Persistent CTAs stage them in the dS buffers instead, so the next tile's K and V load meanwhile: both at once
+        where they fit (head_dim <= tile_m), else dK, then dV once dK's store has read the buffers."""
         acc_dK.store(acc_dK.load() * softmax_scale)
         rdK = cute.make_rmem_tensor_like(acc_dK, self.dtype)
         rdV = cute.make_rmem_tensor_like(acc_dV, self.dtype)
         convert_to_16bit(acc_dK, rdK)
         convert_to_16bit(acc_dV, rdV)
-        sdK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        sdV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        # Every warpgroup's dQ GEMM reads all of sK: wait for both before overwriting it.
+        one_pass = not self.persistent or self.head_dim <= self.tile_m
+        if cutlass.const_expr(self.persistent):  # (`BwdConfig.persistent_fits`)
+            base = storage.sdS.data_ptr()
+            sdK = cute.make_tensor(cute.recast_ptr(base, sKV_layout.inner, dtype=self.dtype), sKV_layout.outer)
+            sdV = sdK
+            if cutlass.const_expr(one_pass):
+                sdV = cute.make_tensor(cute.recast_ptr(base + cute.cosize(sKV_layout.outer), sKV_layout.inner,
+                                                       dtype=self.dtype), sKV_layout.outer)
+        else:
+            sdK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+            sdV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        where = (head_kv, batch, n_block)
+        # Every warpgroup's dQ GEMM reads all of sK and sdS: wait for both before overwriting them.
         cute.arch.barrier(barrier_id=int(BwdBarrier.EPILOGUE), number_of_threads=self.num_consumer_threads)
         st_atom = cute.make_copy_atom(warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), self.dtype)
+        if cutlass.const_expr(self.persistent):
+            # the thread's staging addresses built here, not hoisted above the tile's steps and kept (spilled) there
+            tidx = opaque_i32(cute.arch.thread_idx()[0]) - 128
         thr_st = cute.make_tiled_copy_C(st_atom, tiled_mma_dkv).get_slice(tidx)
         cute.copy(st_atom, thr_st.retile(rdK), thr_st.partition_D(sdK))
-        cute.copy(st_atom, thr_st.retile(rdV), thr_st.partition_D(sdV))
+        if cutlass.const_expr(one_pass):
+            cute.copy(st_atom, thr_st.retile(rdV), thr_st.partition_D(sdV))
+            self.store_tiles(((tma_dk, sdK, mdK), (tma_dv, sdV, mdV)), where, warp_idx)
+        else:
+            self.store_tiles(((tma_dk, sdK, mdK),), where, warp_idx)
+            cute.arch.barrier(barrier_id=int(BwdBarrier.EPILOGUE), number_of_threads=self.num_consumer_threads)
+            cute.copy(st_atom, thr_st.retile(rdV), thr_st.partition_D(sdV))
+            self.store_tiles(((tma_dv, sdV, mdV),), where, warp_idx)
+        if cutlass.const_expr(self.persistent):  # the stores have read the dS buffers: the next tile may write there
+            cute.arch.barrier(barrier_id=int(BwdBarrier.EPILOGUE), number_of_threads=self.num_consumer_threads)
+
+    @cute.jit
+    def store_tiles(self, tiles: tuple, where: tuple, warp_idx: Int32):
+        """Shared-memory tiles the consumers just wrote -> global memory with TMA: (atom, smem tile, dK or dV) each, at
+        `where` = (KV head, batch, KV tile), issued by the first consumer warp, which returns once the copies have read
+        shared memory."""
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=int(BwdBarrier.EPILOGUE), number_of_threads=self.num_consumer_threads)
         if warp_idx == 4:
-            gdK = cute.local_tile(mdK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
-            gdV = cute.local_tile(mdV[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
-            tdKs, tdKg = tma_tiles(tma_dk, sdK, gdK)
-            tdVs, tdVg = tma_tiles(tma_dv, sdV, gdV)
+            head_kv, batch, n_block = where
+            pairs = [tma_tiles(atom, smem, cute.local_tile(m[None, None, head_kv, batch], (self.tile_n, self.head_dim),
+                                                           (n_block, 0))) for atom, smem, m in tiles]
             with cute.arch.elect_one():
-                cute.copy(tma_dk, tdKs, tdKg)
-                cute.copy(tma_dv, tdVs, tdVg)
+                for k in cutlass.range_constexpr(len(tiles)):
+                    cute.copy(tiles[k][0], pairs[k][0], pairs[k][1])
                 cute.arch.cp_async_bulk_commit_group()
                 cute.arch.cp_async_bulk_wait_group(0, read=True)
 
@@ -489,5 +581,7 @@ def fake_arguments(cfg: BwdConfig, dtype, block_sparse: bool = False, aux_tensor
     sem = compact(Int32, (sym(), sym(), sym(), cfg.num_consumer_wgs)) if deterministic else None
     rank = compact(Int32, (sym(), sym(), sym(), sym())) if deterministic and block_sparse else None
     tile_order = compact(Int32, (sym(), 3)) if cfg.lpt_order and (block_sparse or deterministic) else None
+    counter = compact(Int32, (1,)) if cfg.persistent else None
     return (bhsd(), bhsd(), bhsd(), bhsd(), rows, rows, accum, bhsd(), bhsd(), Float32(1.0), Int32(1), sparse,
-            aux_tensors, aux_scalars, aux_grads, sem, rank, tile_order, make_fake_stream(use_tvm_ffi_env_stream=True))
+            aux_tensors, aux_scalars, aux_grads, sem, rank, tile_order, counter,
+            make_fake_stream(use_tvm_ffi_env_stream=True))

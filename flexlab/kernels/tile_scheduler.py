@@ -25,6 +25,7 @@ from typing import Optional
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 from cutlass import Int32
 
 from .block_sparse import KvSchedule
@@ -91,11 +92,17 @@ def claim_tile(counter: cute.Tensor, num_tiles: Int32) -> Int32:
 def hand_over_tile(pipe, slots: cute.Tensor, slot, sched: Optional[KvSchedule], m_block: Int32 = 0, head: Int32 = 0,
                    batch: Int32 = 0):
     """Producer warp: write a tile (or, `sched=None`, the end of the work) into the next slot and mark it full."""
+    valid = sched is not None
+    counts = (sched.num_partial, sched.num_full) if valid else (Int32(0), Int32(0))
+    hand_over_words(pipe, slots, slot, (Int32(1 if valid else 0), Int32(m_block), Int32(head), Int32(batch)) + counts)
+
+
+@cute.jit
+def hand_over_words(pipe, slots: cute.Tensor, slot, words: tuple):
+    """Producer warp: `words` (valid first, then the tile's coordinates) into the next slot, marked full once
+    written. The backward hands over (valid, KV tile, KV head, batch)."""
     pipe.producer_acquire(slot)
     if cute.arch.lane_idx() == 0:
-        valid = sched is not None
-        words = (Int32(1 if valid else 0), Int32(m_block), Int32(head), Int32(batch),
-                 sched.num_partial if valid else Int32(0), sched.num_full if valid else Int32(0))
         for k in cutlass.range_constexpr(len(words)):
             slots[k, slot.index] = words[k]
         pipe.producer_commit(slot)
@@ -109,3 +116,10 @@ def take_tile(pipe, slots: cute.Tensor, slot) -> tuple:
     known = tuple(Int32(slots[k, slot.index]) for k in range(4, 6))
     pipe.consumer_release(slot)
     return valid, m_block, head, batch, known
+
+
+def consumer_state_at(stages: int, uses: Int32):
+    """The consumer's pipeline state after `uses` stages of a `stages`-deep ring, rebuilt from that one count: a
+    persistent backward CTA carries its tile count through its tiles rather than the K/V and tile-slot states (three
+    registers each, which spilled beside the learnable-bias gradients)."""
+    return pipeline.PipelineState(stages, uses, uses % stages, (uses // stages) % 2)

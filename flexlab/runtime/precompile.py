@@ -83,12 +83,27 @@ def _one(job: tuple) -> tuple[str, float, str]:
             mask = mask_mod if mods.mask_mod is not None else None  # torch's noop mask counts as none
             entry = _ops.mod_entry(_ops.register_mods(score_mod, mask))  # the autograd path's generated mods
             # (a mask comes as a BlockMask at torch's default block size)
-            backward_kernels(entry.generated, entry.grad_slots, dtype, head_dim, 128 if mask is not None else None,
-                             mask_bits=entry.stored_masks is not None)
+            q_block = 128 if mask is not None else None
+            for ctas in backward_persistence(entry, head_dim, q_block, seqlens, num_sms):
+                backward_kernels(entry.generated, entry.grad_slots, dtype, head_dim, q_block,
+                                 mask_bits=entry.stored_masks is not None, persistent_ctas=ctas)
             label += " + backward"
         return label + ")", time.perf_counter() - t0, ""
     except Exception as e:  # noqa: BLE001  (reported per job; one bad variant must not stop the others)
         return label, time.perf_counter() - t0, f"{type(e).__name__}: {e}"[:300]
+
+
+def backward_persistence(entry, head_dim: int, q_block, seqlens, num_sms: int) -> list[int]:
+    """The `persistent_ctas` values the backward launcher would use for these mods (`bwd_config.runs_persistent`):
+    under a block mask both (its tiles' length is unknown here), without one as the query lengths say (taken equal to
+    the key lengths, MHA)."""
+    from ..kernels import bwd_config
+    from ..kernels.bwd_launch import config_for
+    cfg = config_for(head_dim, False, entry.generated, bool(entry.grad_slots), q_block)
+    steps = [0, float("inf")] if q_block is not None else [-(-s // cfg.tile_m) for s in seqlens]
+    g = entry.generated
+    grads = bool(entry.grad_slots) and g is not None and g.has_score_mod
+    return sorted({num_sms if bwd_config.runs_persistent(cfg, n, False, grads) else 0 for n in steps})
 
 
 def _default_sms() -> int:

@@ -66,6 +66,7 @@ ROWS = [
     ("d64-sliding1024-B1-S16k", 64, 1, 16384, "sliding"),
     ("d64-document-B1-S16k", 64, 1, 16384, "document"),
     ("d128-document-B1-S16k", 128, 1, 16384, "document"),
+    ("d128-document-B4-S4k", 128, 4, 4096, "document"),
     ("d256-dense-B4-S4k", 256, 4, 4096, "dense"),
     ("d256-causal-B4-S4k", 256, 4, 4096, "causal"),
 ]

@@ -2,7 +2,9 @@
 (trainable tensors requiring grad, a block mask at torch's 128 where the variant has a mask_mod), and ptxas -v's
 spill bytes and registers per kernel (not a test; no GPU):
 
-    python tests/kernels/gallery_bwd_spills.py OUT.json [--head-dims 64,128] [--jobs 2]
+    python tests/kernels/gallery_bwd_spills.py OUT.json [--head-dims 64,128] [--jobs 2] [--persistent]
+
+`--persistent`: the kernels as the launcher runs them on short KV tiles (`bwd_config.runs_persistent`), where it does.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 
 def compile_variant(job: tuple) -> dict:
-    name, D = job
+    name, D, persistent = job
     import os
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bwd_option_report import compile_ptx, key_for, ptxas_report
@@ -35,6 +37,13 @@ def compile_variant(job: tuple) -> dict:
     if bits:
         from flexlab.kernels.bwd_launch import with_mask_bits
         cfg = with_mask_bits(cfg)
+    if persistent:
+        from dataclasses import replace
+
+        from flexlab.kernels.bwd_config import H200_SMS, runs_persistent
+        if not runs_persistent(cfg, 0, False, captured_grads=grads and g.has_score_mod):
+            return {"name": name, "D": D, "tile_m": cfg.tile_m, "mask_ops": 0, "status": "not persistent"}
+        cfg = replace(cfg, persistent_ctas=H200_SMS)
     key = key_for(cfg, g, sparse, False)
     rec = {"name": name, "D": D, "tile_m": cfg.tile_m, "dq_swap_ab": cfg.dq_swap_ab, "mask_bits": cfg.mask_bits,
            "mask_ops": g.mask_op_count if sparse else 0}
@@ -55,9 +64,10 @@ def main(argv=None):
     ap.add_argument("--head-dims", default="64,128")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--only", default="", help="comma-separated variant names")
+    ap.add_argument("--persistent", action="store_true", help="persistent CTAs where the launcher would run them")
     args = ap.parse_args(argv)
     names = [n for n in load_gallery() if not args.only or n in args.only.split(",")]
-    jobs = [(n, int(d)) for d in args.head_dims.split(",") for n in names]
+    jobs = [(n, int(d), args.persistent) for d in args.head_dims.split(",") for n in names]
     with ProcessPoolExecutor(args.jobs) as pool:
         records = list(pool.map(compile_variant, jobs))
     for r in records:

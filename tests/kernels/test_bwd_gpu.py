@@ -112,6 +112,43 @@ def test_deterministic_mode_repeats_bitwise(sparse, D):
 
 
 @needs_hopper
+@pytest.mark.parametrize("D,sparse", [(128, None), (64, None), (128, "causal"), (128, "window"), (64, "documents")])
+def test_persistent_ctas_match_one_tile_per_cta(D, sparse, monkeypatch):
+    """Persistent CTAs (`BwdConfig.persistent_ctas`: KV tiles claimed from a counter, dK and dV staged in the dS
+    buffers) compute every KV tile as one CTA per tile does: dK and dV the same bits, dQ (fp32 partials added in
+    another order) within rounding, both against float64. Seven CTAs for 2 x 2 x 9 KV tiles, so each runs several,
+    of different lengths under the masks; GQA and ragged lengths; the documents' mask reads a captured tensor."""
+    from dataclasses import replace
+
+    from flexlab.kernels import bwd_launch
+    Sq, Skv = 1000, 1100
+    bm = None
+    if sparse == "causal":
+        bm = flexlab.create_block_mask(lambda b, h, qi, kv: qi >= kv, 1, 1, Sq, Skv, device="cuda")
+    elif sparse == "window":
+        bm = flexlab.create_block_mask(lambda b, h, qi, kv: (qi - kv).abs() < 300, 1, 1, Sq, Skv, device="cuda")
+    elif sparse == "documents":
+        doc = (torch.arange(Skv, device="cuda") * 3 // Skv).to(torch.int32)  # ends inside tiles
+        bm = flexlab.create_block_mask(lambda b, h, qi, kv: doc[qi] == doc[kv], 1, 1, Sq, Skv, device="cuda")
+    q, k, v = random_qkv(2, 8, Sq, Skv, D, torch.bfloat16, "cuda", Hkv=2, requires_grad=True)
+    dout = torch.randn(2, 8, Sq, D, device="cuda", dtype=torch.bfloat16)
+    default = bwd_launch._config
+    grads = {}
+    for name, options in (("one_tile_per_cta", dict(persistent_short_tiles=False)),
+                          ("persistent", dict(persistent_ctas=7))):
+        cfg = replace(default(D, False, False, 128 if bm is not None else None), **options).validate()
+        monkeypatch.setattr(bwd_launch, "_config", lambda *args, cfg=cfg: cfg)
+        grads[name] = _backward(q, k, v, None, bm, [], dout, True)
+    dq, dk, dv = grads["persistent"]
+    one_dq, one_dk, one_dv = grads["one_tile_per_cta"]
+    assert torch.equal(dk, one_dk) and torch.equal(dv, one_dv)
+    assert rel_l2(dq, one_dq) < 1e-4
+    for n, a, b in zip(("dq", "dk", "dv"), grads["persistent"], _reference_grads(q, k, v, None, bm, [], dout, True)):
+        assert not torch.isnan(a).any(), f"NaN in {n}"
+        assert grad_error(a, b) < GRAD_TOL, f"{n}: error {grad_error(a, b):.2e}"
+
+
+@needs_hopper
 def test_deterministic_mode_with_learnable_tensors():
     """Bitwise-repeatable bias gradients when the generated code accumulates through add_aux_grad (exact int64
     fixed point); a clear refusal while it emits plain fp32 atomics."""

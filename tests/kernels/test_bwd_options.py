@@ -87,7 +87,9 @@ def _check_sync(ptx, cfg):
     assert divergent_collectives(ptx) == []
     stats = 2 * cfg.tile_m * 4 if cfg.stats_in_smem else 0
     assert _expect_tx_bytes(ptx) == {2 * cfg.tile_n * cfg.head_dim * 2, 2 * cfg.tile_m * cfg.head_dim * 2 + stats}
-    assert _mbarrier_init_counts(ptx) == {1, 4 * cfg.num_consumer_wgs}
+    # (persistent CTAs: the tile slots are released by every consumer thread and the dQ warp's lanes)
+    slots = {128 * cfg.num_consumer_wgs + 32} if cfg.persistent else set()
+    assert _mbarrier_init_counts(ptx) == {1, 4 * cfg.num_consumer_wgs} | slots
     check_barrier_plan(ptx, cfg)
 
 
@@ -128,6 +130,10 @@ CELLS = [  # (name, head dim, options, kernel flavour): each option in a few fla
     ("try_wait_first-dense-d64", 64, dict(try_wait_first=True), "dense"),
     ("anchored_wait-mask", 128, dict(anchored_wait=True), "mask"),
     ("anchored_wait-mask-d64", 64, dict(anchored_wait=True), "mask"),
+    # persistent CTAs: dK and dV staged in the dS buffers, in two passes at D=128 and one at D=64
+    ("persistent-dense", 128, dict(persistent_ctas=132), "dense"),
+    ("persistent-mask", 128, dict(persistent_ctas=132), "mask"),
+    ("persistent-mask-d64", 64, dict(persistent_ctas=132), "mask"),
 ]
 
 
@@ -163,10 +169,52 @@ def test_option_compiles_without_spills(name, D, options, kind):
         assert "ld.acquire.gpu.global.b32" in ptx and "red.release.gpu.global.add.s32" in ptx
     if cfg.dq_split_rows:
         assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx  # dQ: N = head_dim = 64
+    # persistent CTAs claim tiles with one relaxed atomic per tile and stage dK/dV away from K and V
+    assert ("atom.global.add.u32" in ptx) == cfg.persistent
     # the Q/dO waits, the consumers' and the producer's, try once without a suspend hint first only with the option
     assert ("mbarrier.try_wait.parity.acquire" in ptx) == cfg.try_wait_first
     if cfg.try_wait_first:
         assert ptx.count("mbarrier.try_wait.parity.acquire") >= 2
+
+
+def test_persistent_ctas_where_kv_tiles_are_short():
+    from dataclasses import replace
+
+    from flexlab.kernels.bwd_config import (PERSISTENT_MAX_MEAN_STEPS, BwdConfig, candidate_bwd_configs,
+                                            default_bwd_config, runs_persistent)
+    cfg = default_bwd_config(128)
+    assert cfg.persistent_short_tiles and not cfg.persistent  # the launcher decides per call
+    assert runs_persistent(cfg, PERSISTENT_MAX_MEAN_STEPS, False)
+    assert not runs_persistent(cfg, PERSISTENT_MAX_MEAN_STEPS + 1, False)
+    assert not runs_persistent(cfg, 1, True)  # deterministic turns follow the launch order
+    assert not runs_persistent(replace(cfg, persistent_short_tiles=False), 1, False)
+    assert not runs_persistent(cfg, 1, False, captured_grads=True)  # their open runs need the registers
+    assert not runs_persistent(default_bwd_config(256), 1, False)  # split head dim: no room to stage dK/dV
+    persistent = replace(cfg, persistent_ctas=132)
+    assert persistent.feasibility_error() is None and persistent.smem_bytes() <= 232448
+    # the tile slots fit in the barrier block's 1 KiB
+    assert replace(default_bwd_config(64, q_block=128), persistent_ctas=132).smem_bytes() == \
+        default_bwd_config(64, q_block=128).smem_bytes()
+    for bad in (replace(cfg, persistent_ctas=132, dq_warp=False),  # the dQ warp must be told the tiles
+                BwdConfig(head_dim=128, tile_m=48, dq_swap_ab=True, persistent_ctas=132),  # dK does not fit in dS
+                replace(default_bwd_config(256), persistent_ctas=132)):
+        assert "persistent" in (bad.feasibility_error() or ""), bad
+    assert "must be 0" in BwdConfig(head_dim=128, persistent_ctas=-1).feasibility_error()
+    cands = candidate_bwd_configs(128, q_block=128)
+    assert cands["persistent"].persistent and not cands["one_tile_per_cta"].persistent_short_tiles
+    assert "persistent" not in candidate_bwd_configs(128, deterministic=True)
+
+
+def test_precompile_plans_the_backward_launchers_persistence():
+    from flexlab.runtime.precompile import backward_persistence
+
+    class Dense:
+        generated, grad_slots = None, ()
+    # dense D=128 steps 80 query rows: 1024 keys make 13 steps per KV tile (persistent), 4096 make 52 (not)
+    assert backward_persistence(Dense, 128, None, [1024], 132) == [132]
+    assert backward_persistence(Dense, 128, None, [4096, 16384], 132) == [0]
+    assert backward_persistence(Dense, 128, 128, [4096], 132) == [0, 132]  # a mask's tile lengths are unknown
+    assert backward_persistence(Dense, 256, 128, [1024], 132) == [0]
 
 
 def test_dq_row_split_view_maps_rows_to_warpgroup_slabs():
