@@ -196,7 +196,7 @@ class BwdConfig:
             head += TILE_SLOTS * (16 + 4 * TILE_SLOT_WORDS)
         if self.stats_in_smem:
             head += 2 * self.num_stages * self.tile_m * 4
-        kv = 2 * self.tile_n * self.head_dim * self.dtype_bytes  # K and V (reused for dK, dV in the epilogue)
+        kv = 2 * self.tile_n * self.head_dim * self.dtype_bytes  # K and V (one-tile CTAs stage dK, dV over them)
         q_do = 2 * self.num_stages * self.tile_m * self.head_dim * self.dtype_bytes
         ds = 2 * self.tile_m * self.tile_n * self.dtype_bytes  # double-buffered dS
         if self.split_head_dim:

@@ -121,5 +121,5 @@ def take_tile(pipe, slots: cute.Tensor, slot) -> tuple:
 def consumer_state_at(stages: int, uses: Int32):
     """The consumer's pipeline state after `uses` stages of a `stages`-deep ring, rebuilt from that one count: a
     persistent backward CTA carries its tile count through its tiles rather than the K/V and tile-slot states (three
-    registers each, which spilled beside the learnable-bias gradients)."""
+    registers each, carried through every step otherwise)."""
     return pipeline.PipelineState(stages, uses, uses % stages, (uses // stages) % 2)
