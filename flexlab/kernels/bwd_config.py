@@ -59,7 +59,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .config import REGISTERS_PER_SM, SMEM_BYTES_SM90, TILE_SLOT_WORDS, TILE_SLOTS, default_config
+from .config import H200_SMS, REGISTERS_PER_SM, SMEM_BYTES_SM90, TILE_SLOT_WORDS, TILE_SLOTS, default_config
 
 BWD_HEAD_DIMS = (64, 128, 256)
 # Head dims above this split dK and dV by columns over two consumer warpgroups that share one 64-row KV tile
@@ -83,8 +83,6 @@ D64_MAX_MASK_OPS = 12
 # hence no block mask: steps merging the mask rows they cover measured 0.93-1.03x
 # (bwd_tile_m80_masked_h200_2026-12-01.json).
 DENSE_TILE_M = 80
-# SMs of the GPU the sweeps run on (the launcher asks the device itself)
-H200_SMS = 132
 # Persistent CTAs (`BwdConfig.persistent_ctas`) where a KV tile walks at most this many query tiles on average
 # (summed over its GQA group; `runs_persistent`). Main kernel against one CTA per tile, timed in turns (H200, three
 # runs; benchmarks/results/bwd_persistent_h200_2026-12-02*.json): ~9 steps (D=64 sliding window) 1.04-1.08x, ~16
@@ -313,13 +311,16 @@ def default_bwd_config(head_dim: int, deterministic: bool = False, mod_grads: bo
                      lpt_order=_tile_order(deterministic, q_block))
 
 
-def runs_persistent(cfg: BwdConfig, mean_steps: float, deterministic: bool, captured_grads: bool = False) -> bool:
-    """Whether the launcher runs `cfg` as persistent CTAs for KV tiles of `mean_steps` query tiles on average. Not in
-    deterministic mode (its dQ turns follow the launch order), nor with gradients of captured tensors (their open
-    runs take the registers the tile loop needs: a learnable relative bias at D=128 then spilled 8 bytes)."""
-    return (cfg.persistent_short_tiles and not cfg.persistent and not deterministic and not captured_grads
-            and mean_steps <= PERSISTENT_MAX_MEAN_STEPS
-            and replace(cfg, persistent_ctas=H200_SMS).feasibility_error() is None)
+def runs_persistent(cfg: BwdConfig, mean_steps, deterministic: bool, captured_grads: bool = False) -> bool:
+    """Whether the launcher runs `cfg` as persistent CTAs for KV tiles of `mean_steps` query tiles on average (a
+    number, or a function giving it, called last: it may read the block mask on the device). Not in deterministic
+    mode (its dQ turns follow the launch order), nor with gradients of captured tensors (their open runs take the
+    registers the tile loop needs: a learnable relative bias at D=128 then spilled 8 bytes)."""
+    if not cfg.persistent_short_tiles or cfg.persistent or deterministic or captured_grads:
+        return False
+    if replace(cfg, persistent_ctas=H200_SMS).feasibility_error() is not None:
+        return False
+    return (mean_steps() if callable(mean_steps) else mean_steps) <= PERSISTENT_MAX_MEAN_STEPS
 
 
 def _tile_order(deterministic: bool, q_block: int | None) -> bool:

@@ -435,11 +435,17 @@ class Kernels:
 _KERNELS: dict[tuple, Kernels] = {}
 
 
+def has_captured_grads(g, grad_slots) -> bool:
+    """Whether the kernel computes gradients of captured tensors: some require grad and a score_mod reads them (a
+    mask has no gradient)."""
+    return bool(grad_slots) and g is not None and g.has_score_mod
+
+
 def main_key(g, kernel_aux, grad_slots, dtype_name: str, cfg: BwdConfig, sparse: bool, deterministic: bool,
              arch: str = "sm_90a") -> BwdKey:
     """The main kernel's key for generated mods `g` (or None), the captured tensors as the kernel reads them
     (`kernel_aux`) and the slots among them that get gradients."""
-    has_aux_grad = bool(grad_slots) and g is not None and g.has_score_mod  # a mask has no gradient
+    has_aux_grad = has_captured_grads(g, grad_slots)
     return BwdKey(g.hash if g is not None else "", bool(g is not None and g.has_score_mod),
                   bool(g is not None and g.has_mask_mod and sparse), has_aux_grad,
                   tuple((str(t.dtype).removeprefix("torch."), t.dim()) for t in kernel_aux),
@@ -563,12 +569,11 @@ def _build_plan(q, k, entry, cfg: BwdConfig, block_mask, block_size, determinist
             tile_order = masks.tile_order(B, Hkv, Hq // Hkv, Sq, D)
     if turns:  # under a block mask the higher KV tiles first
         tile_order = turn_tile_order(-(-Skv // cfg.tile_n), B, Hkv, Hq // Hkv, Sq, D, walk is not None, dev)
-    if dev.type == "cuda" and cfg.persistent_short_tiles and not deterministic:
-        # query tiles a KV tile walks, summed over its GQA group (a mask's lists are read once, `QLists.mean_visits`)
-        steps = (walk.mean_visits() if walk is not None else -(-Sq // cfg.tile_m)) * (Hq // Hkv)
-        captured_grads = bool(entry.grad_slots) and g is not None and g.has_score_mod
-        if bwd_config.runs_persistent(cfg, steps, deterministic, captured_grads):
-            cfg = replace(cfg, persistent_ctas=_sm_count(dev))
+    def mean_steps():  # query tiles a KV tile walks, summed over its GQA group (a mask's lists: read once)
+        return (walk.mean_visits() if walk is not None else -(-Sq // cfg.tile_m)) * (Hq // Hkv)
+    if dev.type == "cuda" and bwd_config.runs_persistent(cfg, mean_steps, deterministic,
+                                                         has_captured_grads(g, entry.grad_slots)):
+        cfg = replace(cfg, persistent_ctas=_sm_count(dev))
     kernels = _kernels(g, entry.grad_slots, kernel_aux, q.dtype, cfg, masks is not None, has_dlse, deterministic,
                        arch)
     rank = walk.ranks(sq_pad // cfg.tile_m, turns) if deterministic and walk is not None else None

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 SMEM_BYTES_SM90 = 227 * 1024  # dynamic shared memory one CTA may use on H100/H200
 REGISTERS_PER_SM = 64 * 1024
+# SMs of an H200 (and H100 SXM): grid sizes planned without a GPU to ask (precompilation, sweeps, the inspector)
+H200_SMS = 132
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 # Dynamic tile scheduling (`FwdConfig.dynamic_tiles`): the producer warp hands each tile to the consumer warpgroups in

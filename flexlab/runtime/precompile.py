@@ -20,7 +20,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
 _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "bf16": "bfloat16", "fp16": "float16"}
-H200_SMS = 132  # the persistent kernel's grid size without a GPU to ask
+from ..kernels.config import H200_SMS  # the persistent kernels' grid size without a GPU to ask
 
 
 def _build_mods(name):
@@ -98,11 +98,10 @@ def backward_persistence(entry, head_dim: int, q_block, seqlens, num_sms: int) -
     under a block mask both (its tiles' length is unknown here), without one as the query lengths say (taken equal to
     the key lengths, MHA)."""
     from ..kernels import bwd_config
-    from ..kernels.bwd_launch import config_for
+    from ..kernels.bwd_launch import config_for, has_captured_grads
     cfg = config_for(head_dim, False, entry.generated, bool(entry.grad_slots), q_block)
     steps = [0, float("inf")] if q_block is not None else [-(-s // cfg.tile_m) for s in seqlens]
-    g = entry.generated
-    grads = bool(entry.grad_slots) and g is not None and g.has_score_mod
+    grads = has_captured_grads(entry.generated, entry.grad_slots)
     return sorted({num_sms if bwd_config.runs_persistent(cfg, n, False, grads) else 0 for n in steps})
 
 

@@ -19,10 +19,10 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from ..errors import FlexlabTypeError, FlexlabValueError
+from ..kernels.config import H200_SMS
 from ..mask import BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL, block_states, create_block_mask
 
 #: Streaming multiprocessors of an H200 (SXM); the default for the load-balance simulation.
-H200_SMS = 132
 STATE_NAMES = {BLOCK_EMPTY: "empty", BLOCK_PARTIAL: "partial", BLOCK_FULL: "full"}
 STATE_COLORS = {BLOCK_EMPTY: "#f2f2f2", BLOCK_PARTIAL: "#f4a259", BLOCK_FULL: "#2a6f97"}
 

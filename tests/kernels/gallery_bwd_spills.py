@@ -41,7 +41,8 @@ def compile_variant(job: tuple) -> dict:
         from dataclasses import replace
 
         from flexlab.kernels.bwd_config import H200_SMS, runs_persistent
-        if not runs_persistent(cfg, 0, False, captured_grads=grads and g.has_score_mod):
+        from flexlab.kernels.bwd_launch import has_captured_grads
+        if not runs_persistent(cfg, 0, False, captured_grads=has_captured_grads(g, grads)):
             return {"name": name, "D": D, "tile_m": cfg.tile_m, "mask_ops": 0, "status": "not persistent"}
         cfg = replace(cfg, persistent_ctas=H200_SMS)
     key = key_for(cfg, g, sparse, False)
