@@ -24,14 +24,21 @@ class KvSchedule(Carried):
     and head modes may have size 1 (broadcast), and whose last mode is never empty.
 
     `known` = (num_partial, num_full) when another warp already read them (a dynamic tile scheduler hands them over
-    in shared memory); then nothing is read here."""
+    in shared memory); then nothing is read here. `part` = (first position, end position), dense only: the tile's
+    steps from `first` up to `end` alone (a part of a tile cut by `kernels.split_tail`)."""
 
-    _FIELDS = ("sparse", "b", "h", "m", "num_partial", "num_full", "num_kv_blocks")
+    _FIELDS = ("sparse", "b", "h", "m", "num_partial", "num_full", "num_kv_blocks", "skip")
 
-    def __init__(self, sparse, batch: Int32, head: Int32, m_block: Int32, num_kv_blocks: Int32, known=None):
+    def __init__(self, sparse, batch: Int32, head: Int32, m_block: Int32, num_kv_blocks: Int32, known=None,
+                 part=None):
         self.sparse = sparse
         self.num_kv_blocks = Int32(num_kv_blocks)
         self.m = m_block
+        self.skip = None  # positions before this part's first (dense parts only)
+        if cutlass.const_expr(part is not None):
+            if cutlass.const_expr(sparse is not None):
+                raise ValueError("a part of a tile (split_tail) is a dense schedule only")
+            self.skip = Int32(part[0])
         if cutlass.const_expr(sparse is not None):
             kv_num, _, full_num, _ = sparse
             # A mask built with B=1 or H=1 broadcasts over that mode.
@@ -46,18 +53,26 @@ class KvSchedule(Carried):
             self.b, self.h = Int32(0), Int32(0)
             self.num_partial = Int32(0)
             self.num_full = self.num_kv_blocks
+            if cutlass.const_expr(part is not None):
+                self.num_full = Int32(part[1]) - self.skip
 
     @cute.jit
     def first_block(self) -> Int32:
         """`block(0)` without waiting for the counts first: both lists' first entries are read beside them and one
         is picked after (the producer's first K load waits on this index)."""
         if cutlass.const_expr(self.sparse is None):
-            return self.num_kv_blocks - 1
+            return self._dense(0)
         else:
             _, kv_idx, _, full_idx = self.sparse
             first_partial = Int32(kv_idx[self.b, self.h, self.m, 0])
             first_full = Int32(full_idx[self.b, self.h, self.m, 0])
             return Int32(cutlass.select_(self.num_partial > 0, first_partial, first_full))
+
+    def _dense(self, i):
+        """Dense grids walk the KV blocks from the last one down (a part starts `skip` steps in)."""
+        if cutlass.const_expr(self.skip is None):
+            return self.num_kv_blocks - 1 - i
+        return self.num_kv_blocks - 1 - self.skip - i
 
     @property
     def total(self):
@@ -67,7 +82,7 @@ class KvSchedule(Carried):
     def block(self, i: Int32) -> Int32:
         """KV block index of step i (partial blocks first)."""
         if cutlass.const_expr(self.sparse is None):
-            return self.num_kv_blocks - 1 - i
+            return self._dense(i)
         else:
             _, kv_idx, _, full_idx = self.sparse
             j = i - self.num_partial
@@ -82,7 +97,7 @@ class KvSchedule(Carried):
     def block_of_kind(self, i: Int32, partial: cutlass.Constexpr[bool]) -> Int32:
         """`block(i)` where the caller's loop already knows whether step i is a partial block (no branch)."""
         if cutlass.const_expr(self.sparse is None):
-            return self.num_kv_blocks - 1 - i
+            return self._dense(i)
         else:
             _, kv_idx, _, full_idx = self.sparse
             if cutlass.const_expr(partial):

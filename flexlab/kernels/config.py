@@ -70,8 +70,17 @@ DYNAMIC_MAX_MEAN_KV_BLOCKS = 20
 # (`FwdConfig.persistent_ctas` with `cluster_m`), so the next pair's first loads overlap this pair's epilogue.
 # H200, kernel time in interleaved rounds against one cluster per pair (two runs,
 # benchmarks/results/fwd_persistent_cluster2_h200_2026-12-01{,b}.json): B4 S4k (32 blocks) 1.016x / 1.032x at D=128
-# and 1.038x / 1.040x at D=64; B1 S16k (128 blocks) 1.000-1.007x, where launching a cluster per pair stays.
+# and 1.038x / 1.040x at D=64; B1 S16k (128 blocks) 1.000-1.007x, where they run with the split tail instead
+# (`SPLIT_TAIL_MIN_MEAN_KV_BLOCKS`).
 PERSISTENT_CLUSTER_MAX_MEAN_KV_BLOCKS = 64
+# Dense kernels with K/V multicast clusters whose tiles visit at least this many KV blocks run as static persistent
+# clusters with the split tail (`FwdConfig.split_tail`): the pairs after the last whole round are cut into one even
+# run of KV blocks per cluster. H200, kernel time in interleaved rounds against one cluster per pair, B1 S16k (128
+# blocks): 1.013x at D=128 and 1.024x at D=64 in 7 rounds (persistent clusters alone 0.994x, 1.009x;
+# benchmarks/results/fwd_split_tail_sweep_h200_2026-12-02.json), 1.048x and 1.047x in 9 (persistent clusters with
+# the tail whole 1.010x, 1.016x; ..._2026-12-02c.json). At B4 S4k (32 blocks, persistent clusters) 0.996-1.001x and
+# 0.998-1.002x over two runs, so mid-length tiles keep the last round whole. 0 turns it off.
+SPLIT_TAIL_MIN_MEAN_KV_BLOCKS = 65
 # Block-sparse masks whose mask_mod reads captured tensors (document ids, spans): partial blocks test bits the
 # launcher stored once per mask (`FwdConfig.mask_bits`, `runtime.mask_bits`) instead of evaluating mask_mod, whose
 # gathers made a document mask's partial-block step 778 SASS instructions against 549 with bits (454 for a full one).
@@ -157,6 +166,11 @@ class FwdConfig:
     # raised heavy masks' spills). On by default with a mask or score_mod and in persistent kernels at D <= 128
     # (`ANCHORED_RELEASE`), with `uniform_stage`.
     anchored_release: bool = False
+    # Static persistent dense kernels (not dynamic_tiles, no block mask): the tiles after the last whole round of
+    # workers are cut into one even run of KV blocks per worker, each cut tile's parts merged by whichever arrives
+    # last (`kernels.split_tail`), so the last round does not leave SMs idle (2048 tiles on 132 SMs: 16 rounds of
+    # work 15.5). The launcher passes the workspace (`runtime.launch.scheduler_workspace`).
+    split_tail: bool = False
     # Debug only, never set by the public API: stages removed for timing (names in ABLATIONS; results are wrong).
     ablate: tuple[str, ...] = ()
 
@@ -192,6 +206,7 @@ class FwdConfig:
         def up(n):
             return -(-n // 1024) * 1024
         barriers = 8 * (2 + 4 * self.num_stages) + (TILE_SLOTS * (16 + 4 * TILE_SLOT_WORDS) if self.dynamic_tiles else 0)
+        barriers += 16 if self.split_tail else 0  # the "merged here" flag the consumers share
         q = self.tile_m * self.head_dim * self.dtype_bytes
         kv = self.num_stages * self.tile_n * self.head_dim * self.dtype_bytes
         return up(barriers) + up(q) * (2 if separate_o else 1) + 2 * up(kv)
@@ -229,6 +244,9 @@ class FwdConfig:
                                    or "kv_loads" in self.ablate):
             return "cluster_m=2 pairs Q tiles of one head, and both CTAs of a pair walk the same tiles: it combines " \
                    "with an even number of static persistent CTAs, not with dynamic_tiles or the kv_loads ablation"
+        if self.split_tail and (not self.persistent_ctas or self.dynamic_tiles or self.mask_bits):
+            return "split_tail=True cuts the tail tiles of a static persistent grid by KV blocks: it needs " \
+                   "persistent_ctas > 0 and neither dynamic_tiles nor mask_bits (dense grids only)"
         if not 0 <= self.exp2_poly <= 8:
             return f"exp2_poly={self.exp2_poly} must be in [0, 8] (scores per 8 computed on the FMA pipe)"
         if self.smem_bytes() > SMEM_BYTES_SM90:

@@ -24,6 +24,8 @@ Options in `FwdConfig` (off by default):
     once the consumers of both CTAs have released it (their release arrives on both CTAs' empty barriers). With
     `persistent_ctas` each cluster walks pairs of tiles (`tile_scheduler.pair_coords`), the launcher's default for
     dense tiles of mid length (`runtime.launch.runs_persistent_clusters`);
+  * `split_tail` (static persistent, dense): the tiles after the last whole round are cut into even runs of KV
+    blocks, one per worker, and the parts of a cut tile merged by the last to finish (`kernels.split_tail`);
   * `rescale_before_pv`, `exp2_poly`, `early_block_index`, `mask_early`: see `FwdConfig`.
 Debug-only stage removal (`FwdConfig.ablate`, names in `config.ABLATIONS`) is confined to `ablated(...)` checks in
 `load_kv`, `overlapped_step`, the first/last block of `consume_tile`, `mod_scores`, `OnlineSoftmax` and `epilogue`.
@@ -52,6 +54,7 @@ from .mask import (FRAGMENT_ROWS, apply_fragment_bits, apply_mask_bits, apply_ma
 from .named_barrier import FwdBarrier
 from .score_mod import apply_score_mod
 from .softmax import OnlineSoftmax, rescale_rows
+from .split_tail import SplitTail, merge_parts, publish_and_arrive
 from .stage_waits import acquire_empty, release_after, wait_full
 from .tile_scheduler import (claim_tile, cluster_pair_tile, current_tile, hand_over_tile, pair_coords, take_tile,
                              tile_coords)
@@ -95,6 +98,7 @@ class FlexFwdSm90:
         self.separate_o = cfg.separate_o
         self.cluster_m = cfg.cluster_m
         self.mask_bits = cfg.mask_bits
+        self.split_tail = cfg.split_tail
         self.ablate = frozenset(cfg.ablate)
 
     def ablated(self, stage: str) -> bool:
@@ -112,6 +116,8 @@ class FlexFwdSm90:
         if self.dynamic:
             fields["mbar_tile"] = cute.struct.MemRange[Int64, 2 * TILE_SLOTS]
             fields["tile_slots"] = cute.struct.MemRange[Int32, TILE_SLOTS * TILE_SLOT_WORDS]
+        if self.split_tail:
+            fields["tail_flag"] = cute.struct.MemRange[Int32, 4]
         fields.update(sQ=buffer(sQ_layout), sK=buffer(sKV_layout), sV=buffer(sKV_layout))
         if self.separate_o:
             fields["sO"] = buffer(sQ_layout)
@@ -121,11 +127,12 @@ class FlexFwdSm90:
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor,
                  mLSE: Optional[cute.Tensor], softmax_scale: Float32, qhead_per_kvhead: Int32,
-                 heads_per_group: Int32, sparse, order, tile_counter, aux_tensors: tuple, aux_scalars: tuple,
+                 heads_per_group: Int32, sparse, order, workspace, aux_tensors: tuple, aux_scalars: tuple,
                  stream: cuda.CUstream):
         """mQ/mO (B, Hq, Sq, D), mK/mV (B, Hkv, Skv, D) with unit stride on D; mLSE (B, Hq, Sq) fp32, or None for
         an inference call that does not return it (the row statistics then never leave the registers);
-        `tile_counter`: a zeroed int32 (1,) tensor with `dynamic_tiles`, else None."""
+        `workspace`: with `dynamic_tiles` the zeroed int32 (1,) tile counter, with `split_tail` (zeroed int32 arrival
+        counters, fp32 partials) as `runtime.launch.scheduler_workspace` allocates them, else None."""
         mQ, mK, mV, mO = [bshd_view(t) for t in (mQ, mK, mV, mO)]
         if cutlass.const_expr(mLSE is not None):
             mLSE = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))  # (Sq, Hq, B)
@@ -148,6 +155,8 @@ class FlexFwdSm90:
             if cutlass.const_expr(sparse is not None):
                 raise ValueError("FwdConfig.cluster_m=2 shares K/V between two Q tiles: dense grids only")
             kv_op = cpasync.CopyBulkTensorTileG2SMulticastOp()
+        if cutlass.const_expr(self.split_tail and sparse is not None):
+            raise ValueError("FwdConfig.split_tail cuts tiles into even runs of KV blocks: dense grids only")
         tma_k, mK_t = cpasync.make_tiled_tma_atom(kv_op, mK, one_stage, (tile_n, hd), num_multicast=self.cluster_m)
         tma_v, mV_t = cpasync.make_tiled_tma_atom(kv_op, mV, one_stage, (tile_n, hd), num_multicast=self.cluster_m)
         tma_o, mO_t = cpasync.make_tiled_tma_atom(store_op, mO, sQ_layout, (tile_m, hd))
@@ -170,7 +179,7 @@ class FlexFwdSm90:
             tiles = (num_pairs, mQ.shape[2], num_hb, heads_per_group)
             launch = {"cluster": [self.cluster_m, 1, 1]}
         self.kernel(mQ_t, mK_t, mV_t, mO_t, mLSE, tma_q, tma_k, tma_v, tma_o, softmax_scale, log2_scale,
-                    qhead_per_kvhead, tiles, sparse, order, tile_counter, aux_tensors, aux_scalars, sQ_layout,
+                    qhead_per_kvhead, tiles, sparse, order, workspace, aux_tensors, aux_scalars, sQ_layout,
                     sKV_layout, tiled_mma_qk, tiled_mma_pv, Storage).launch(
             grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1, **launch)
 
@@ -179,7 +188,7 @@ class FlexFwdSm90:
     def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE,
                tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_o: cute.CopyAtom,
                softmax_scale: Float32, log2_scale: Float32, qhead_per_kvhead: Int32, tiles, sparse, order,
-               tile_counter, aux_tensors, aux_scalars, sQ_layout: cute.ComposedLayout,
+               workspace, aux_tensors, aux_scalars, sQ_layout: cute.ComposedLayout,
                sKV_layout: cute.ComposedLayout, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, Storage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         bits = None  # `mask_bits`: partial-block masks stored as bits, passed after the four block lists
@@ -223,6 +232,9 @@ class FlexFwdSm90:
                 consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_threads),
                 defer_sync=True)
             handoff = (pipe_tile, storage.tile_slots.get_tensor(cute.make_layout((TILE_SLOT_WORDS, TILE_SLOTS))))
+        tail = None  # split_tail: (workspace, the consumers' shared flag)
+        if cutlass.const_expr(self.split_tail):
+            tail = (workspace, storage.tail_flag.get_tensor(cute.make_layout(4)))
         pipeline.pipeline_init_arrive(cluster_shape)
 
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -247,18 +259,18 @@ class FlexFwdSm90:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.load(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, qhead_per_kvhead,
-                          tiles, sparse, order, num_kv_blocks, first, tile_counter, handoff)
+                          tiles, sparse, order, num_kv_blocks, first, workspace, handoff)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             tidx = cute.arch.thread_idx()[0] - 128
             self.consume(mQ, mO, mLSE, sQ, sO, sK, transpose_smem(sV), tma_o, tiled_mma_qk, tiled_mma_pv,
                          pipe_q, pipe_k, pipe_v, tidx, warp_idx, tiles, sparse, order, num_kv_blocks, first, seqlen_k,
-                         softmax_scale, log2_scale, aux_tensors, aux_scalars, handoff, bits)
+                         softmax_scale, log2_scale, aux_tensors, aux_scalars, handoff, bits, tail)
 
     # ------------------------------------------------------------------ producer
     @cute.jit
     def load(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, qhead_per_kvhead: Int32,
-             tiles, sparse, order, num_kv_blocks: Int32, first, tile_counter, handoff):
+             tiles, sparse, order, num_kv_blocks: Int32, first, workspace, handoff):
         """Producer warp: this CTA's tile, or (persistent) every G-th tile from its block index, or (dynamic) its
         block index first and then whatever tile the counter hands out, each passed on to the consumers."""
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
@@ -270,7 +282,7 @@ class FlexFwdSm90:
             num_tiles = tiles[0] * tiles[2]
             while tile < num_tiles:
                 # Claimed now, used after this tile's loads: the atomic's round trip hides behind them.
-                next_tile = claim_tile(tile_counter, num_tiles)
+                next_tile = claim_tile(workspace, num_tiles)
                 m_block, head, batch = tile_coords(tile, order, *tiles)
                 sched = KvSchedule(sparse, batch, head, m_block, num_kv_blocks)
                 hand_over_tile(pipe_tile, slots, slot, sched, m_block, head, batch)
@@ -283,13 +295,25 @@ class FlexFwdSm90:
         elif cutlass.const_expr(self.persistent):
             tile, stride = self.first_persistent_tile()
             num_tiles = tiles[0] * tiles[2]
-            while tile < num_tiles:
+            split = self.split_of(num_tiles, stride, tile, num_kv_blocks)
+            whole_end = num_tiles if split is None else split.whole_end
+            while tile < whole_end:
                 m_block, head, batch = self.persistent_coords(tile, order, tiles)
                 sched = KvSchedule(sparse, batch, head, m_block, num_kv_blocks)
                 q_state, state = self.load_tile(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k,
                                                 pipe_v, m_block, head, batch, head // qhead_per_kvhead, sched,
                                                 q_state, state)
                 tile += stride
+            if cutlass.const_expr(split is not None):  # this worker's run of the tail, unit by unit
+                it = split.begin
+                while it < split.end:
+                    t, part_first, part_end = split.unit(it)
+                    m_block, head, batch = self.persistent_coords(split.whole_end + t, order, tiles)
+                    sched = KvSchedule(None, batch, head, m_block, num_kv_blocks, part=(part_first, part_end))
+                    q_state, state = self.load_tile(mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k,
+                                                    pipe_v, m_block, head, batch, head // qhead_per_kvhead, sched,
+                                                    q_state, state)
+                    it = (t + 1) * split.blocks
             if cutlass.const_expr(self.cluster_m > 1):  # the partner releases our stages remotely: wait for it
                 pipe_k.producer_tail(state.clone())
                 pipe_v.producer_tail(state.clone())
@@ -309,6 +333,12 @@ class FlexFwdSm90:
         if cutlass.const_expr(self.cluster_m > 1):
             return bid // self.cluster_m, grid // self.cluster_m
         return bid, grid
+
+    def split_of(self, num_tiles: Int32, workers: Int32, worker: Int32, num_kv_blocks: Int32):
+        """The tail's shape for this worker (`split_tail`), else None."""
+        if cutlass.const_expr(not self.split_tail):
+            return None
+        return SplitTail(num_tiles, workers, worker, num_kv_blocks)
 
     @cute.jit
     def persistent_coords(self, tile: Int32, order, tiles) -> tuple:
@@ -388,7 +418,7 @@ class FlexFwdSm90:
     def consume(self, mQ, mO, mLSE, sQ, sO, sK, sVt, tma_o, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma,
                 pipe_q, pipe_k, pipe_v, tidx: Int32, warp_idx: Int32, tiles, sparse, order, num_kv_blocks: Int32,
                 first, seqlen_k: Int32, softmax_scale: Float32, log2_scale: Float32, aux_tensors, aux_scalars,
-                handoff, bits):
+                handoff, bits, tail):
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_mma_qk = tiled_mma_qk.get_slice(tidx)
         wg_mma_qk = tiled_mma_qk.get_slice(wg * 128)
@@ -429,11 +459,24 @@ class FlexFwdSm90:
         elif cutlass.const_expr(self.persistent):
             tile, stride = self.first_persistent_tile()
             num_tiles = tiles[0] * tiles[2]
-            while tile < num_tiles:
+            split = self.split_of(num_tiles, stride, tile, num_kv_blocks)
+            whole_end = num_tiles if split is None else split.whole_end
+            while tile < whole_end:
                 m_block, head, batch = self.persistent_coords(tile, order, tiles)
                 sched = KvSchedule(sparse, batch, head, m_block, num_kv_blocks)
                 q_state, state = self.consume_tile(*args, m_block, head, batch, sched, q_state, state)
                 tile += stride
+            if cutlass.const_expr(split is not None):  # this worker's run of the tail, unit by unit
+                workspace, flag = tail
+                it = split.begin
+                while it < split.end:
+                    t, part_first, part_end = split.unit(it)
+                    m_block, head, batch = self.persistent_coords(split.whole_end + t, order, tiles)
+                    sched = KvSchedule(None, batch, head, m_block, num_kv_blocks, part=(part_first, part_end))
+                    cut = Int32(cutlass.select_(part_end - part_first < split.blocks, 1, 0))
+                    q_state, state = self.consume_tile(*args, m_block, head, batch, sched, q_state, state,
+                                                       (split, workspace, flag, t, cut))
+                    it = (t + 1) * split.blocks
         else:
             m_block, head, batch, sched = first
             self.consume_tile(*args, m_block, head, batch, sched, q_state, state)
@@ -445,8 +488,11 @@ class FlexFwdSm90:
     def consume_tile(self, mQ, mO, mLSE, sO, tma_o, tiled_mma_qk: cute.TiledMma, tiled_mma_pv: cute.TiledMma, frags,
                      acc_O, s_shape, coords, softmax: OnlineSoftmax, row_scale, pipe_q, pipe_k, pipe_v, tidx: Int32,
                      warp_idx: Int32, wg: Int32, seqlen_k: Int32, softmax_scale: Float32, aux_tensors, aux_scalars,
-                     stored, m_block: Int32, head: Int32, batch: Int32, sched: KvSchedule, q_state, state):
-        """One Q tile: the KV mainloop, then normalisation and the epilogue. Returns the advanced pipeline states."""
+                     stored, m_block: Int32, head: Int32, batch: Int32, sched: KvSchedule, q_state, state,
+                     part=None):
+        """One Q tile: the KV mainloop, then normalisation and the epilogue. Returns the advanced pipeline states.
+        `part` = (split, workspace, flag, tail tile, cut): a unit of the split tail, which, when `cut` is set,
+        publishes itself and stores only if it arrived last, merged with the other parts (`kernels.split_tail`)."""
         tSrQ, tSrK, tOrVt, tOrP = frags
         softmax.reset()
         acc_O.fill(0.0)
@@ -503,8 +549,21 @@ class FlexFwdSm90:
         lse = cute.make_rmem_tensor(cute.size(row_scale), Float32)
         softmax.finalize(lse, row_scale)
         rescale_rows(acc_O, row_scale)
+        keep = None  # whole tiles always store
+        if cutlass.const_expr(part is not None):
+            split, workspace, flag, t, cut = part
+            rank = Int32(0)
+            if cutlass.const_expr(self.cluster_m > 1):
+                rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            keep = Int32(1)
+            if cut != 0:
+                keep = publish_and_arrive(split, workspace, flag, acc_O, lse, t, rank, self.cluster_m, tidx,
+                                          self.num_consumer_threads)
+                if keep != 0:
+                    merge_parts(split, workspace, acc_O, lse, t, rank, self.cluster_m, tidx,
+                                self.num_consumer_threads, rows_view)
         self.epilogue(acc_O, lse, coords, mO, mLSE, sO, tma_o, tiled_mma_pv, pipe_q, q_state, tidx, warp_idx,
-                      m_block, head, batch, seqlen_q)
+                      m_block, head, batch, seqlen_q, keep)
         q_state.advance()
         return q_state, state
 
@@ -614,9 +673,10 @@ class FlexFwdSm90:
 
     @cute.jit
     def epilogue(self, acc_O, lse, coords, mO, mLSE, sO, tma_o, tiled_mma_pv, pipe_q, q_state, tidx: Int32,
-                 warp_idx: Int32, m_block: Int32, head: Int32, batch: Int32, seqlen_q: Int32):
+                 warp_idx: Int32, m_block: Int32, head: Int32, batch: Int32, seqlen_q: Int32, keep=None):
         """O -> 16 bit -> shared memory (over Q, or its own buffer) -> one TMA store; LSE from the lanes that own
-        column 0."""
+        column 0. `keep` (split tail): 0 for a part of a cut tile that another part stores, which then writes
+        neither; the shared-memory steps and barriers run all the same."""
         store = not self.ablated("store")
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         convert_to_16bit(acc_O, rO)
@@ -636,14 +696,16 @@ class FlexFwdSm90:
                 if seqlen_q < 0:
                     mLSE[0, head, batch] = acc_O[0]
 
+        writes = Int32(1) if keep is None else keep  # (a constant for whole tiles: the tests fold away)
         if cutlass.const_expr(mLSE is not None):
             c_rows = rows_view(coords)
             if c_rows[0, 0][1] == 0:
-                q_base = m_block * self.tile_m
-                for r in cutlass.range_constexpr(cute.size(lse)):
-                    q_idx = q_base + c_rows[r, 0][0]
-                    if q_idx < seqlen_q:
-                        mLSE[q_idx, head, batch] = lse[r]
+                if writes != 0:
+                    q_base = m_block * self.tile_m
+                    for r in cutlass.range_constexpr(cute.size(lse)):
+                        q_idx = q_base + c_rows[r, 0][0]
+                        if q_idx < seqlen_q:
+                            mLSE[q_idx, head, batch] = lse[r]
 
         if cutlass.const_expr(store):
             stored = int(FwdBarrier.O_STORED if self.persistent else FwdBarrier.EPILOGUE)
@@ -654,7 +716,8 @@ class FlexFwdSm90:
                 gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
                 tOsO, tOgO = tma_tiles(tma_o, sO, gO)
                 with cute.arch.elect_one():
-                    cute.copy(tma_o, tOsO, tOgO)
+                    if writes != 0:
+                        cute.copy(tma_o, tOsO, tOgO)
                     cute.arch.cp_async_bulk_commit_group()
                     if cutlass.const_expr(not self.separate_o):
                         cute.arch.cp_async_bulk_wait_group(0, read=True)

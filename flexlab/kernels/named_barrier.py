@@ -13,6 +13,7 @@ class FwdBarrier(enum.IntEnum):
     # syncs; with one per tile, a warp racing into the next tile's first sync must not meet the storing warp's
     # still-open sync of this tile on the same barrier with a different thread count.
     O_STORED = 5
+    SPLIT_TAIL = 6  # `FwdConfig.split_tail`: every consumer thread has published its part of a cut tile
 
 
 class BwdBarrier(enum.IntEnum):

@@ -102,13 +102,17 @@ def fake_arguments(key: CompileKey):
             sparse += (make_fake_compact_tensor(cutlass.Int32, shape, stride_order=(5, 4, 3, 2, 1, 0),
                                                 assumed_align=16),)
     order = compact(cutlass.Int32, 1) if key.tile_order else None
-    tile_counter = compact(cutlass.Int32, 1) if key.config.dynamic_tiles else None
+    workspace = None  # `runtime.launch.scheduler_workspace`
+    if key.config.dynamic_tiles:
+        workspace = compact(cutlass.Int32, 1)
+    elif key.config.split_tail:
+        workspace = (compact(cutlass.Int32, 1), compact(cutlass.Float32, 1, align=16))
     aux_tensors = tuple(fake_captured_tensor(name, ndim, unit_stride_any_rank=False)
                         for name, ndim in key.aux_tensor_specs)
     aux_scalars = tuple(cutlass.Int32(0) if kind == "int" else cutlass.Float32(0.0) for kind in key.aux_scalar_kinds)
     lse = compact(cutlass.Float32, 3) if key.writes_lse else None
     return (qkv(), qkv(), qkv(), qkv(), lse, cutlass.Float32(1.0), cutlass.Int32(1),
-            cutlass.Int32(1), sparse, order, tile_counter, aux_tensors, aux_scalars,
+            cutlass.Int32(1), sparse, order, workspace, aux_tensors, aux_scalars,
             make_fake_stream(use_tvm_ffi_env_stream=key.tvm_ffi))
 
 

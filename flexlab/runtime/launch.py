@@ -85,9 +85,12 @@ def config_for(head_dim: int, sparse: bool, mods: KernelMods, seqlen_k: int | No
 
 def scheduling(cfg: FwdConfig, mean_kv_blocks: float | None) -> str:
     """How the default forward schedules CTAs for tiles visiting `mean_kv_blocks` KV blocks on average: "dynamic"
-    (`runs_dynamic`), "clusters" (`runs_persistent_clusters`), or "" (one CTA, or cluster, per tile)."""
+    (`runs_dynamic`), "clusters" (`runs_persistent_clusters`), "split" (`runs_split_tail`), or "" (one CTA, or
+    cluster, per tile)."""
     if runs_dynamic(cfg, mean_kv_blocks):
         return "dynamic"
+    if runs_split_tail(cfg, mean_kv_blocks):
+        return "split"
     return "clusters" if runs_persistent_clusters(cfg, mean_kv_blocks) else ""
 
 
@@ -95,14 +98,31 @@ def scheduled(cfg: FwdConfig, how: str, num_sms: int) -> FwdConfig:
     """`cfg` with the CTA scheduling `how` (a `scheduling` answer) on a GPU of `num_sms` SMs."""
     if how == "dynamic":
         return _dynamic(cfg, num_sms)
+    if how == "split":
+        return _split_tail(cfg, num_sms)
     return _persistent_clusters(cfg, num_sms) if how == "clusters" else cfg
+
+
+def runs_split_tail(cfg: FwdConfig, mean_kv_blocks: float | None) -> bool:
+    """Whether a K/V multicast kernel (dense) runs static persistent clusters with the split tail
+    (`FwdConfig.split_tail`): tiles of at least `SPLIT_TAIL_MIN_MEAN_KV_BLOCKS` KV blocks, where a round of pairs is
+    long enough that the last one's idle SMs cost more than cutting it."""
+    bound = _policy.SPLIT_TAIL_MIN_MEAN_KV_BLOCKS
+    return cfg.cluster_m > 1 and mean_kv_blocks is not None and bool(bound) and mean_kv_blocks >= bound
+
+
+@lru_cache(maxsize=None)
+def _split_tail(cfg: FwdConfig, num_sms: int) -> FwdConfig:
+    """`cfg` as static persistent clusters (`_persistent_clusters`) with the split tail."""
+    return dataclasses.replace(_persistent_clusters(cfg, num_sms), split_tail=True)
 
 
 def runs_persistent_clusters(cfg: FwdConfig, mean_kv_blocks: float | None) -> bool:
     """Whether a K/V multicast kernel (dense) runs static persistent clusters: tiles of more than
     `DYNAMIC_MAX_MEAN_KV_BLOCKS` and up to `PERSISTENT_CLUSTER_MAX_MEAN_KV_BLOCKS` KV blocks (measured at 32), where
-    overlapping a pair's epilogue with the next pair's first loads pays; longer tiles keep one cluster per pair of Q
-    tiles, and shorter ones what they had (dynamic tiles at D=128, a cluster per pair at D=64)."""
+    overlapping a pair's epilogue with the next pair's first loads pays; tiles of at least
+    `SPLIT_TAIL_MIN_MEAN_KV_BLOCKS` run them with the split tail (`runs_split_tail`), tiles between the two bounds one
+    cluster per pair of Q tiles, and shorter ones what they had (dynamic tiles at D=128, a cluster per pair at D=64)."""
     return (cfg.cluster_m > 1 and mean_kv_blocks is not None
             and _policy.DYNAMIC_MAX_MEAN_KV_BLOCKS < mean_kv_blocks <= _policy.PERSISTENT_CLUSTER_MAX_MEAN_KV_BLOCKS)
 
@@ -176,9 +196,44 @@ def tile_counter(device: torch.device, stream: torch.cuda.Stream | None = None) 
     return counter
 
 
+_SPLIT_TAIL_SPACES: dict[tuple, tuple] = {}
+_GRAPH_SPACES: list[tuple] = []
+
+
+def scheduler_workspace(cfg: FwdConfig, device: torch.device):
+    """What a kernel of `cfg` schedules its tiles with: the tile counter (`dynamic_tiles`), the split tail's
+    (zeroed arrival counters, partial results) (`split_tail`, `kernels.split_tail`), else None. One per stream and
+    size, as `tile_counter`; the kernel leaves the counters at 0 and overwrites every partial before reading it."""
+    if cfg.dynamic_tiles:
+        return tile_counter(device)
+    if not cfg.split_tail:
+        return None
+    from ..kernels.split_tail import workspace_sizes
+    counters, floats = workspace_sizes(cfg)
+
+    def make():
+        return (torch.zeros(counters, dtype=torch.int32, device=device),
+                torch.empty(floats, dtype=torch.float32, device=device))
+    if torch.cuda.is_current_stream_capturing():
+        space = make()
+        _GRAPH_SPACES.append(space)
+        return space
+    key = (device.index, _current_raw_stream(device.index), counters, floats)
+    space = _SPLIT_TAIL_SPACES.get(key)
+    if space is None:
+        space = _SPLIT_TAIL_SPACES[key] = make()
+    return space
+
+
 # torch's own cheap accessor for the current stream's handle (what its compiled kernels use), where the build has it
 _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
     lambda device_index: torch.cuda.current_stream(device_index).cuda_stream)
+
+
+def _workspace_to_cute(space):
+    if space is None:
+        return None
+    return tuple(_to_cute(t, 16) for t in space) if isinstance(space, tuple) else _to_cute(space)
 
 
 def _to_cute(t, align: int | None = None):
@@ -286,16 +341,16 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: KernelMods 
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device) if with_lse else None
     default_scale, qpk, group = _launch_constants(q, k, block_mask)
     scale = default_scale if scale is None else float(scale)
-    counter = tile_counter(q.device) if key.config.dynamic_tiles else None
+    space = scheduler_workspace(key.config, q.device)
     if key.tvm_ffi:
-        fn(q, k, v, out, lse, scale, qpk, group, sparse, order, counter, aux_tensors, aux_scalars)
+        fn(q, k, v, out, lse, scale, qpk, group, sparse, order, space, aux_tensors, aux_scalars)
     else:
         import cuda.bindings.driver as cuda
         stream = cuda.CUstream(torch.cuda.current_stream(q.device).cuda_stream)
         conv_sparse = tuple(_to_cute(t) for t in sparse) if sparse is not None else None
         fn(_to_cute(q), _to_cute(k), _to_cute(v), _to_cute(out), _to_cute(lse) if with_lse else None, scale, qpk,
            group, conv_sparse, _to_cute(order) if order is not None else None,
-           _to_cute(counter) if counter is not None else None,
+           _workspace_to_cute(space),
            tuple(_to_cute(t, t.element_size()) for t in aux_tensors), tuple(aux_scalars), stream)
     return out, lse
 
@@ -307,7 +362,7 @@ class BoundForward:
     (`backends.cute.WarmForward`)."""
 
     __slots__ = ("fn", "out_like_q", "out_shape", "lse_shape", "dtype", "device", "default_scale", "qpk", "group",
-                 "sparse", "order", "dynamic_tiles", "aux_tensors", "aux_scalars", "block_mask")
+                 "sparse", "order", "config", "aux_tensors", "aux_scalars", "block_mask")
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale) -> tuple | None:
         """(out, lse or None), or None when a base address is not 16-byte aligned (then `forward` copies)."""
@@ -319,7 +374,7 @@ class BoundForward:
         lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32,
                                                                device=self.device)
         self.fn(q, k, v, out, lse, self.default_scale if scale is None else float(scale), self.qpk, self.group,
-                self.sparse, self.order, tile_counter(self.device) if self.dynamic_tiles else None, self.aux_tensors,
+                self.sparse, self.order, scheduler_workspace(self.config, self.device), self.aux_tensors,
                 self.aux_scalars)
         return out, lse
 
@@ -341,7 +396,7 @@ def bind(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: KernelMods = _
     bound.out_like_q = q.is_contiguous()
     bound.default_scale, bound.qpk, bound.group = _launch_constants(q, k, block_mask)
     bound.sparse, bound.order = sparse, order
-    bound.dynamic_tiles = key.config.dynamic_tiles
+    bound.config = key.config
     bound.aux_tensors, bound.aux_scalars = aux_tensors, aux_scalars
     bound.block_mask = block_mask  # its kernel lists stay valid only while it lives
     return bound

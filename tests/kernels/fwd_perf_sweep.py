@@ -163,6 +163,22 @@ def variants_for(row, base, num_sms: int) -> list[Variant]:
                                 "persistent 2-CTA clusters walking pairs of Q tiles (anchored K release)"))
             cand.append(Variant("persistent_cluster2_free", "candidate", rep(base, persistent_ctas=num_sms),
                                 "persistent 2-CTA clusters walking pairs of Q tiles"))
+    if base.split_tail:  # the launcher's default for long dense tiles: what it replaced, and the tail kept whole
+        cand.append(Variant("cluster_per_pair", "candidate", rep(base, persistent_ctas=0, split_tail=False),
+                            "one 2-CTA cluster per pair of Q tiles"))
+        cand.append(Variant("whole_tail", "candidate", rep(base, split_tail=False),
+                            "static persistent clusters, the last round's pairs whole"))
+    elif not has_mask:  # the split tail (`FwdConfig.split_tail`): static persistent dense grids only
+        from flexlab.kernels.config import anchored_options
+        persistent = dict(persistent_ctas=base.persistent_ctas or num_sms, dynamic_tiles=False,
+                          **anchored_options(base.head_dim, True))
+        cand.append(Variant("split_tail", "candidate", rep(base, split_tail=True, **persistent),
+                            "static persistent CTAs (clusters where the baseline has them), the tail cut into even "
+                            "runs of KV blocks"))
+        if base.cluster_m == 1 and not has_score:
+            cand.append(Variant("split_tail_cluster2", "candidate",
+                                rep(base, split_tail=True, cluster_m=2, **persistent),
+                                "static persistent 2-CTA clusters, the tail cut into even runs of KV blocks"))
     if base.anchored_release:
         cand.append(Variant("free_release", "candidate", rep(base, anchored_release=False, uniform_stage=False),
                             "K release and P.V wait where ptxas puts them"))
@@ -313,7 +329,7 @@ def direct_call(state: RowState, fn, key, heads_group: int = 0):
     """A no-argument call of the compiled kernel with everything prepared once (kernel time + a bare launch)."""
     import torch
     from flexlab.runtime import launch
-    from flexlab.runtime.launch import _to_cute, tile_counter
+    from flexlab.runtime.launch import _to_cute, _workspace_to_cute, scheduler_workspace
     from flexlab.runtime.schedule import heads_per_group
     from flexlab.runtime.sparsity import kernel_block_mask
     q, k, v = state.q, state.k, state.v
@@ -329,14 +345,14 @@ def direct_call(state: RowState, fn, key, heads_group: int = 0):
     out = torch.empty_like(q)
     lse = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
     group = heads_group or heads_per_group(S, D, 2, 1, B * H, state.block_mask is not None)
-    counter = tile_counter(q.device) if cfg.dynamic_tiles else None
-    args = (q, k, v, out, lse, D ** -0.5, 1, group, sparse, order, counter, state.aux_t, state.aux_s)
+    space = scheduler_workspace(cfg, q.device)
+    args = (q, k, v, out, lse, D ** -0.5, 1, group, sparse, order, space, state.aux_t, state.aux_s)
     if key.tvm_ffi:
         return (lambda: fn(*args)), out
     import cuda.bindings.driver as cuda
     conv = (*(_to_cute(t) for t in args[:5]), *args[5:8],
             tuple(_to_cute(t) for t in sparse) if sparse is not None else None,
-            _to_cute(order) if order is not None else None, _to_cute(counter) if counter is not None else None,
+            _to_cute(order) if order is not None else None, _workspace_to_cute(space),
             tuple(_to_cute(t) for t in state.aux_t), state.aux_s,
             cuda.CUstream(torch.cuda.current_stream().cuda_stream))
     return (lambda: fn(*conv)), out

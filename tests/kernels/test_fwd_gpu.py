@@ -243,6 +243,65 @@ def test_persistent_forward_at_short_keys(masked, Sq, Skv, Hkv):
     _check(out, lse, q, k, v, block_mask=bm)
 
 
+
+@needs_hopper
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("ctas,cluster", [(7, 1), (5, 1), (10, 2), (40, 1), (132, 2)])
+@pytest.mark.parametrize("B,H,Hkv", [(2, 6, 3), (1, 2, 1)])
+def test_split_tail(D, ctas, cluster, B, H, Hkv):
+    """`FwdConfig.split_tail`: the tiles after the last whole round are cut into runs of KV blocks, one per worker,
+    and the parts of a cut tile merged by the last to arrive. 1000 queries (8 tiles of 128 rows, 6 of 192) over 9
+    KV blocks, the last one ragged, with GQA; 2 x 6 heads give the worker counts small and large remainders (one more
+    round joins the tail at 5 workers: 96 mod 5 = 1) and fewer tiles than the H200's grid; 1 x 2 heads give fewer
+    tiles than half the workers, so a tile is cut into up to four parts. Matches float64 and the one-CTA-per-tile
+    kernel, LSE included, over three launches that must each leave every arrival counter at 0."""
+    import dataclasses
+
+    from flexlab.kernels.config import default_config
+    from flexlab.runtime.compile import KernelMods
+    from flexlab.runtime.launch import forward, scheduler_workspace
+    base = default_config(D)
+    cfg = dataclasses.replace(base, persistent_ctas=ctas, cluster_m=cluster, split_tail=True).validate()
+    q, k, v = random_qkv(B, H, 1000, 1100, D, torch.bfloat16, "cuda", Hkv=Hkv)
+    ref_out, ref_lse = forward(q, k, v, KernelMods(), config=dataclasses.replace(base, cluster_m=1))
+    for _ in range(3):
+        out, lse = forward(q, k, v, KernelMods(), config=cfg)
+        _check(out, lse, q, k, v)
+        assert rel_l2(out, ref_out) < 1e-2 and (lse - ref_lse).abs().max().item() < 1e-3
+        arrivals, _ = scheduler_workspace(cfg, q.device)
+        assert not arrivals.any(), "a split tail left an arrival counter set"
+    out, none = forward(q, k, v, KernelMods(), config=cfg, with_lse=False)
+    assert none is None and rel_l2(out, ref_out) < 1e-2
+
+
+@needs_hopper
+def test_long_dense_keys_run_the_split_tail_by_default():
+    """The launcher's default for dense tiles of at least `SPLIT_TAIL_MIN_MEAN_KV_BLOCKS` KV blocks: persistent
+    clusters with the split tail. 32 pairs of Q tiles over 65 blocks (the last ragged) on 66 clusters: every pair is
+    cut, into two or three parts."""
+    from flexlab.runtime import launch
+    from flexlab.runtime.compile import KernelMods
+    assert launch.config_for(128, False, KernelMods(), 8300, num_sms=132).split_tail
+    q, k, v = random_qkv(1, 4, 2048, 8300, 128, torch.bfloat16, "cuda", Hkv=2)
+    out, lse = _run(q, k, v)
+    _check(out, lse, q, k, v)
+
+
+@needs_hopper
+def test_split_tail_with_a_score_mod():
+    """A dense score_mod (soft-cap, a captured scalar) through the split tail: the merge weighs parts by their LSE
+    after the score_mod, as the reference does."""
+    import dataclasses
+
+    from flexlab.kernels.config import default_config
+    from flexlab.runtime.launch import forward
+    from handwritten_mods import softcap_score, softcap_score_torch
+    mods = _mods(score_mod=softcap_score, tag="softcap", kinds=("float",))
+    cfg = dataclasses.replace(default_config(128, False, True), persistent_ctas=7, split_tail=True).validate()
+    q, k, v = random_qkv(2, 4, 1000, 1000, 128, torch.bfloat16, "cuda")
+    out, lse = forward(q * 4, k, v, mods, (), (20.0,), config=cfg)  # large scores so the cap matters
+    _check(out, lse, q * 4, k, v, score_mod=softcap_score_torch(20.0))
+
 @needs_hopper
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("masked", [False, True])

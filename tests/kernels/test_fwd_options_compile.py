@@ -355,3 +355,17 @@ def test_anchored_release_keeps_the_softmax_beside_the_pv_gemm():
     free = _pv_wait_positions(None, causal, anchored_release=False, uniform_stage=False)
     assert len(free) == 2 and all(before == 0 for before, _ in free), free  # why the option exists (drop it if
     # ptxas stops hoisting the wait)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_split_tail_compiles_without_spills(D):
+    """The launcher's dense default on long keys (persistent clusters with `split_tail`): no spills, and its parts
+    count themselves in with one fenced global atomic per part; the kernel without it has neither."""
+    from flexlab.runtime import launch
+    cfg = launch.config_for(D, False, KernelMods(), 16384, num_sms=132)
+    assert cfg.split_tail and cfg.cluster_m == 2 and cfg.persistent_ctas == 132
+    ptx, report = _compile(cfg, "dense")
+    _sound(ptx, report)
+    assert ptx.count("atom.global") == 1 and ptx.count("fence.acq_rel.gpu") == 2
+    whole, _ = _compile(dataclasses.replace(cfg, split_tail=False), "dense")
+    assert "atom.global" not in whole and "fence.acq_rel" not in whole

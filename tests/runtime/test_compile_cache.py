@@ -81,5 +81,5 @@ def test_forward_fingerprint_follows_the_kernel_imports():
     from flexlab.runtime.disk_cache import source_files
     names = {p.name for p in source_files(("fwd_sm90",))}
     assert names == {"fwd_sm90.py", "softmax.py", "mask.py", "score_mod.py", "block_sparse.py", "layout.py",
-                     "tile_scheduler.py", "carry.py", "config.py", "named_barrier.py", "stage_waits.py"}
+                     "tile_scheduler.py", "carry.py", "config.py", "named_barrier.py", "stage_waits.py", "split_tail.py"}
     assert rc.kernel_fingerprint() == rc.source_fingerprint(("fwd_sm90",), extra_files=(rc.__file__,))

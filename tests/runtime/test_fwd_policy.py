@@ -37,10 +37,14 @@ def test_launcher_defaults_are_the_measured_configs(fresh_policy, D, sparse, sco
             short = (mean is not None and mean <= policy.DYNAMIC_MAX_MEAN_KV_BLOCKS
                      and (base.cluster_m == 1 or D == 128))
             # dense multicast kernels with mid-length tiles: static persistent clusters walking pairs of Q tiles
-            paired = (not short and base.cluster_m == 2 and mean is not None
-                      and policy.DYNAMIC_MAX_MEAN_KV_BLOCKS < mean <= policy.PERSISTENT_CLUSTER_MAX_MEAN_KV_BLOCKS)
+            # ... and long ones the same with the last round cut by KV blocks (`FwdConfig.split_tail`)
+            split = (not short and base.cluster_m == 2 and mean is not None
+                     and mean >= policy.SPLIT_TAIL_MIN_MEAN_KV_BLOCKS)
+            paired = split or (not short and base.cluster_m == 2 and mean is not None and
+                               policy.DYNAMIC_MAX_MEAN_KV_BLOCKS < mean <= policy.PERSISTENT_CLUSTER_MAX_MEAN_KV_BLOCKS)
             want = (132, True) if short else (132, False) if paired else (0, False)
             assert (cfg.persistent_ctas, cfg.dynamic_tiles) == want, (seqlen, mean, cfg)
+            assert cfg.split_tail == split, (seqlen, mean, cfg)
             # persistent kernels tie the K release to the first probability (`FwdConfig.anchored_release`); dynamic
             # ones have no cluster partner
             expected = base
@@ -48,7 +52,7 @@ def test_launcher_defaults_are_the_measured_configs(fresh_policy, D, sparse, sco
                 expected = dataclasses.replace(base, cluster_m=1, **policy.anchored_options(D, True))
             elif paired:
                 expected = dataclasses.replace(base, **policy.anchored_options(D, True))
-            assert dataclasses.replace(cfg, persistent_ctas=0, dynamic_tiles=False) == expected
+            assert dataclasses.replace(cfg, persistent_ctas=0, dynamic_tiles=False, split_tail=False) == expected
             assert cfg.feasibility_error() is None and cfg.ablate == () and cfg.exp2_poly == 0
             assert not cfg.rescale_before_pv and not cfg.early_block_index
             assert launch.config_for(D, sparse, mods, seqlen, mean_kv_blocks=mean).persistent_ctas == 0  # no SM count
@@ -169,7 +173,10 @@ def test_kv_multicast_clusters_are_the_dense_default(fresh_policy):
     mid = launch.config_for(128, False, KernelMods(), 4096, num_sms=132)  # 32 KV blocks: persistent clusters
     assert mid.cluster_m == 2 and mid.persistent_ctas == 132 and not mid.dynamic_tiles
     assert launch.config_for(64, False, KernelMods(), 4096, num_sms=131).persistent_ctas == 130  # an even count
-    long = launch.config_for(128, False, KernelMods(), 16384, num_sms=132)  # 128 blocks: a cluster per pair
-    assert long.cluster_m == 2 and long.persistent_ctas == 0
+    long = launch.config_for(128, False, KernelMods(), 16384, num_sms=132)  # 128 blocks: ... with the split tail
+    assert long.cluster_m == 2 and long.persistent_ctas == 132 and long.split_tail and not long.dynamic_tiles
+    fresh_policy.setattr(policy, "SPLIT_TAIL_MIN_MEAN_KV_BLOCKS", 0)  # off: a cluster per pair
+    long = launch.config_for(128, False, KernelMods(), 16384, num_sms=132)
+    assert long.cluster_m == 2 and long.persistent_ctas == 0 and not long.split_tail
     persistent = launch._dynamic(default_config(64), 132)  # a persistent CTA has no partner: the cluster goes
     assert persistent.persistent_ctas == 132 and persistent.cluster_m == 1 and persistent.feasibility_error() is None

@@ -52,8 +52,11 @@ def test_planned_forward_keys_are_the_launchers(monkeypatch, head_dim, masked):
     assert set(planned) == launched if not masked else launched <= set(planned)
     assert {k.writes_lse for k in planned} == {True, False}
     if head_dim == 128:  # short tiles run the dynamic persistent kernel, one CTA per SM
-        assert {k.config.persistent_ctas for k in planned} == {0, 132}
-        assert {k.config.persistent_ctas for k in launched} == {0, 132}
+        # (dense: persistent clusters at 4096, with the split tail at 16384; masked long tiles: one CTA per tile)
+        ctas = {132} if not masked else {0, 132}
+        assert {k.config.persistent_ctas for k in planned} == ctas
+        assert {k.config.persistent_ctas for k in launched} == ctas
+        assert {k.config.split_tail for k in launched} == ({False, True} if not masked else {False})
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs the CUDA toolkit's ptxas")

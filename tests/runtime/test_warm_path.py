@@ -12,6 +12,7 @@ import flexlab  # noqa: E402
 import flexlab.api as api  # noqa: E402
 from flexlab.backends import cute as backend  # noqa: E402
 from flexlab.errors import FlexlabTypeError, FlexlabValueError  # noqa: E402
+from flexlab.kernels.config import FwdConfig  # noqa: E402
 from flexlab.runtime import launch  # noqa: E402
 from test_backend_captures import _run_on_fake_cuda, _softcap  # noqa: E402
 
@@ -181,7 +182,7 @@ def test_bound_launch_declines_a_misaligned_base_and_passes_the_scale():
     bound.out_like_q = False
     bound.default_scale, bound.qpk, bound.group = 0.125, 1, 2
     bound.sparse = bound.order = bound.block_mask = None
-    bound.dynamic_tiles = False
+    bound.config = FwdConfig(head_dim=64)
     bound.aux_tensors, bound.aux_scalars = (), ()
     buf = torch.randn(1 * 2 * 64 * 64 + 8, dtype=torch.bfloat16)
     aligned = buf[:-8].view(1, 2, 64, 64)

@@ -1,0 +1,171 @@
+"""The last wave of a persistent forward, split over every CTA by KV blocks (`FwdConfig.split_tail`).
+
+A persistent grid of G workers (CTAs, or 2-CTA clusters walking pairs of Q tiles) over N tiles runs ceil(N / G)
+rounds, and when N is not a multiple of G the last round leaves SMs idle: 2048 tiles of a dense B4·S4k row on 132
+SMs take 16 rounds for 15.5 rounds of work. Here the whole rounds stay one tile per worker, and the tiles after them
+(the "tail") are cut into one even run of KV blocks per worker, so every worker ends at about the same time.
+
+  * The tail is the N mod G last tiles, plus one more round of G when that remainder is under half a round: each
+    worker's run then spans between half a tile and one and a half tiles, so a tile is cut into at most three parts
+    and a worker holds at most two parts of cut tiles (its first and its last unit).
+  * A worker computes each part of a cut tile as a tile of its own (same K/V pipeline, same softmax), normalises it,
+    and publishes O (fp32, in its register order) and the LSE rows to its slot of a global workspace. It then counts
+    itself in on the tile's arrival counter. Whichever part arrives last merges the others into its registers
+    (O = sum of exp(lse_p - lse) O_p) and stores O and the LSE as a whole tile would. No worker ever waits for another.
+  * The last arrival puts the counter back to 0, so the workspace is ready for the next launch on the stream.
+
+Workspace (`runtime.launch.split_tail_workspace`): `arrivals` int32, one per tail tile and CTA of a cluster;
+`partials` fp32, `SPLIT_TAIL_SLOTS` slots per CTA of `slot_floats(cfg)` each.
+"""
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from .carry import Carried
+from .named_barrier import FwdBarrier
+
+SPLIT_TAIL_SLOTS = 2  # partial results one CTA publishes per launch at most: its first and its last unit
+
+
+def slot_floats(num_consumer_threads: int, o_values: int, rows: int) -> int:
+    """fp32 words of one published part: every consumer thread's O fragment, then its LSE rows."""
+    return num_consumer_threads * (o_values + rows)
+
+
+def workspace_sizes(cfg) -> tuple[int, int]:
+    """(arrival counters, fp32 partial words) a kernel of `cfg` with `split_tail` needs: at most two rounds of tiles
+    are in the tail, and each CTA publishes at most two parts."""
+    ctas = cfg.persistent_ctas
+    threads = 128 * cfg.num_consumer_wgs
+    # each thread holds head_dim / 2 values of O, in two rows (+0 and +8 of its warp's 16) of its warpgroup's slab
+    return 2 * ctas, ctas * SPLIT_TAIL_SLOTS * slot_floats(threads, cfg.head_dim // 2, 2)
+
+
+class SplitTail(Carried):
+    """Trace-time helper: the tail's shape for one launch, built the same way by the producer and the consumers.
+
+    `num_tiles`: tiles (or pairs) of the grid; `workers`: CTAs (or clusters); `worker`: this one; `blocks`: KV blocks
+    per tile (dense: every tile the same)."""
+
+    _FIELDS = ("blocks", "worker", "whole_end", "iters", "sharers", "begin", "end")
+
+    def __init__(self, num_tiles: Int32, workers: Int32, worker: Int32, blocks: Int32):
+        rem = num_tiles % workers
+        # one more round in the tail when the remainder is under half a round (and there is a whole round to take)
+        extra = _where(rem * 2 < workers, workers, 0)
+        extra = _where(num_tiles >= rem + workers, extra, 0)
+        tail = rem + _where(rem > 0, extra, 0)
+        self.blocks = blocks
+        self.worker = worker
+        self.whole_end = num_tiles - tail  # tiles below this run whole, one per worker per round
+        self.iters = tail * blocks  # KV blocks in the tail, numbered tile by tile
+        # workers with a run: all of them unless the tail has fewer blocks than there are workers (then one each)
+        self.sharers = _where(self.iters < workers, self.iters, workers)
+        self.sharers = _where(self.sharers < 1, 1, self.sharers)
+        self.begin = self.run_start(worker)
+        self.end = self.run_start(worker + 1)
+
+    def run_start(self, worker: Int32) -> Int32:
+        """First tail block of `worker`'s run (runs are as even as integer division makes them; workers past the
+        sharers have empty runs at the end)."""
+        return _where(worker < self.sharers, worker, self.sharers) * self.iters // self.sharers
+
+    def worker_of(self, it: Int32) -> Int32:
+        """The worker whose run holds tail block `it`; the workers from one block's to another's all hold a part of
+        the blocks between (no run is empty below the sharers)."""
+        return ((it + 1) * self.sharers - 1) // self.iters
+
+    def unit(self, it: Int32) -> tuple:
+        """(tail tile, first position, end position) of the unit starting at tail block `it` of this worker's run:
+        positions count a tile's KV blocks in the kernel's visiting order."""
+        t = it // self.blocks
+        return t, it - t * self.blocks, _where(self.end - t * self.blocks < self.blocks, self.end - t * self.blocks,
+                                               self.blocks)
+
+    def slot_of(self, worker: Int32, t: Int32) -> Int32:
+        """Which of `worker`'s two slots holds its part of tail tile `t`: 0 if that part is its run's first unit."""
+        return _where(self.run_start(worker) // self.blocks == t, 0, 1)
+
+
+@cute.jit
+def publish_and_arrive(split: SplitTail, workspace, flag: cute.Tensor, acc_o: cute.Tensor, lse: cute.Tensor,
+                       t: Int32, rank: Int32, cluster_m: cutlass.Constexpr[int], tidx: Int32,
+                       num_threads: cutlass.Constexpr[int]) -> Int32:
+    """Consumer threads: write this part of tail tile `t` to our slot, count it in, and return 1 in every thread if
+    this part arrived last (it then merges the others, `merge_parts`), else 0."""
+    arrivals, partials = workspace
+    cta = split.worker * cluster_m + rank
+    base = (cta * SPLIT_TAIL_SLOTS + split.slot_of(split.worker, t)) * _slot_words(acc_o, lse, num_threads)
+    n_o = cute.size(acc_o)
+    for k in cutlass.range_constexpr(n_o):
+        partials[base + k * num_threads + tidx] = acc_o[k]
+    for r in cutlass.range_constexpr(cute.size(lse)):
+        partials[base + (n_o + r) * num_threads + tidx] = lse[r]
+    cute.arch.barrier(barrier_id=int(FwdBarrier.SPLIT_TAIL), number_of_threads=num_threads)
+    if tidx == 0:
+        parts = split.worker_of((t + 1) * split.blocks - 1) - split.worker_of(t * split.blocks) + 1
+        counter = t * cluster_m + rank
+        cute.arch.fence_acq_rel_gpu()  # every consumer's writes (ordered before the barrier) before the count
+        old = Int32(cute.arch.atomic_add(arrivals.iterator + counter, Int32(1), sem="relaxed", scope="gpu"))
+        last = Int32(0)
+        if old == parts - 1:
+            last = Int32(1)
+            arrivals[counter] = Int32(0)  # every part is in: ready for the next launch
+            cute.arch.fence_acq_rel_gpu()  # the other parts' writes before our reads of them
+        flag[0] = last
+    cute.arch.barrier(barrier_id=int(FwdBarrier.SPLIT_TAIL), number_of_threads=num_threads)
+    return Int32(flag[0])
+
+
+@cute.jit
+def merge_parts(split: SplitTail, workspace, acc_o: cute.Tensor, lse: cute.Tensor, t: Int32, rank: Int32,
+                cluster_m: cutlass.Constexpr[int], tidx: Int32, num_threads: cutlass.Constexpr[int], rows_of):
+    """The last part of tail tile `t`: fold every other worker's part into this thread's O rows and LSE (natural
+    log, -inf for a row no part saw a key of). `rows_of(fragment)` is the (rows, cols) view of an O fragment."""
+    from .softmax import rescale_rows
+    _, partials = workspace
+    n_o = cute.size(acc_o)
+    n_rows = cute.size(lse)
+    words = _slot_words(acc_o, lse, num_threads)
+    log2_e = Float32(1.4426950408889634)
+    part = cute.make_rmem_tensor_like(acc_o, Float32)
+    w_own = cute.make_rmem_tensor_like(lse, Float32)
+    w_part = cute.make_rmem_tensor_like(lse, Float32)
+    first = split.worker_of(t * split.blocks)
+    last = split.worker_of((t + 1) * split.blocks - 1)
+    for w in cutlass.range(first, last + 1, unroll=1):
+        if w != split.worker:
+            base = ((w * cluster_m + rank) * SPLIT_TAIL_SLOTS + split.slot_of(w, t)) * words
+            for k in cutlass.range_constexpr(n_o):
+                part[k] = partials[base + k * num_threads + tidx]
+            for r in cutlass.range_constexpr(n_rows):
+                other = Float32(partials[base + (n_o + r) * num_threads + tidx])
+                high = cutlass.max(lse[r], other)
+                if high == -Float32.inf:  # neither part saw a key of this row: O stays 0, the LSE -inf
+                    w_own[r] = Float32(1.0)
+                    w_part[r] = Float32(0.0)
+                else:
+                    a = cute.math.exp2((lse[r] - high) * log2_e, fastmath=True)
+                    b = cute.math.exp2((other - high) * log2_e, fastmath=True)
+                    total = a + b
+                    w_own[r] = a / total
+                    w_part[r] = b / total
+                    lse[r] = high + cute.math.log2(total, fastmath=True) / log2_e
+            rescale_rows(acc_o, w_own)
+            rescale_rows(part, w_part)
+            o_rows, p_rows = rows_of(acc_o), rows_of(part)
+            for r in cutlass.range_constexpr(n_rows):
+                o_rows[r, None].store(o_rows[r, None].load() + p_rows[r, None].load())
+
+
+def _where(cond, a, b):
+    """`a if cond else b` for DSL values in a kernel, and for Python ints (the host-side tests of the partition)."""
+    if isinstance(cond, bool):
+        return a if cond else b
+    return Int32(cutlass.select_(cond, Int32(a), Int32(b)))
+
+
+def _slot_words(acc_o, lse, num_threads: int) -> int:
+    return slot_floats(num_threads, cute.size(acc_o), cute.size(lse))
