@@ -293,10 +293,7 @@ class FlexFwdSm90:
                 tile = next_tile
             hand_over_tile(pipe_tile, slots, slot, None)
         elif cutlass.const_expr(self.persistent):
-            tile, stride = self.first_persistent_tile()
-            num_tiles = tiles[0] * tiles[2]
-            split = self.split_of(num_tiles, stride, tile, num_kv_blocks)
-            whole_end = num_tiles if split is None else split.whole_end
+            tile, stride, whole_end, split = self.persistent_plan(tiles, num_kv_blocks)
             while tile < whole_end:
                 m_block, head, batch = self.persistent_coords(tile, order, tiles)
                 sched = KvSchedule(sparse, batch, head, m_block, num_kv_blocks)
@@ -327,18 +324,18 @@ class FlexFwdSm90:
                 pipe_k.producer_tail(state.clone())
                 pipe_v.producer_tail(state.clone())
 
-    def first_persistent_tile(self) -> tuple:
-        """(first tile, stride) of this persistent CTA; with clusters, of its cluster's pairs of tiles."""
+    def persistent_plan(self, tiles, num_kv_blocks: Int32) -> tuple:
+        """A static persistent CTA's walk, the same for its producer and consumers: (first tile, stride, end of the
+        whole tiles, the split tail or None). Tiles, and the stride, count pairs with clusters. Without `split_tail`
+        every tile is whole."""
         bid, grid = Int32(cute.arch.block_idx()[0]), Int32(cute.arch.grid_dim()[0])
         if cutlass.const_expr(self.cluster_m > 1):
-            return bid // self.cluster_m, grid // self.cluster_m
-        return bid, grid
-
-    def split_of(self, num_tiles: Int32, workers: Int32, worker: Int32, num_kv_blocks: Int32):
-        """The tail's shape for this worker (`split_tail`), else None."""
+            bid, grid = bid // self.cluster_m, grid // self.cluster_m
+        num_tiles = tiles[0] * tiles[2]
         if cutlass.const_expr(not self.split_tail):
-            return None
-        return SplitTail(num_tiles, workers, worker, num_kv_blocks)
+            return bid, grid, num_tiles, None
+        split = SplitTail(num_tiles, grid, bid, num_kv_blocks)
+        return bid, grid, split.whole_end, split
 
     @cute.jit
     def persistent_coords(self, tile: Int32, order, tiles) -> tuple:
@@ -457,10 +454,7 @@ class FlexFwdSm90:
                 valid, m_block, head, batch, known = take_tile(pipe_tile, slots, slot)
                 slot.advance()
         elif cutlass.const_expr(self.persistent):
-            tile, stride = self.first_persistent_tile()
-            num_tiles = tiles[0] * tiles[2]
-            split = self.split_of(num_tiles, stride, tile, num_kv_blocks)
-            whole_end = num_tiles if split is None else split.whole_end
+            tile, stride, whole_end, split = self.persistent_plan(tiles, num_kv_blocks)
             while tile < whole_end:
                 m_block, head, batch = self.persistent_coords(tile, order, tiles)
                 sched = KvSchedule(sparse, batch, head, m_block, num_kv_blocks)
