@@ -555,7 +555,7 @@ class FlexFwdSm90:
                                           self.num_consumer_threads)
                 if keep != 0:
                     merge_parts(split, workspace, acc_O, lse, t, rank, self.cluster_m, tidx,
-                                self.num_consumer_threads, rows_view)
+                                self.num_consumer_threads)
         self.epilogue(acc_O, lse, coords, mO, mLSE, sO, tma_o, tiled_mma_pv, pipe_q, q_state, tidx, warp_idx,
                       m_block, head, batch, seqlen_q, keep)
         q_state.advance()

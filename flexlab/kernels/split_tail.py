@@ -7,15 +7,16 @@ SMs take 16 rounds for 15.5 rounds of work. Here the whole rounds stay one tile 
 
   * The tail is the N mod G last tiles, plus one more round of G when that remainder is under half a round: each
     worker's run then spans between half a tile and one and a half tiles, so a tile is cut into at most three parts
-    and a worker holds at most two parts of cut tiles (its first and its last unit).
+    and a worker holds at most two parts of cut tiles (its first and its last unit). A grid with fewer tiles than
+    workers puts them all in the tail: runs are shorter, a tile has more parts, and the merge takes any number.
   * A worker computes each part of a cut tile as a tile of its own (same K/V pipeline, same softmax), normalises it,
     and publishes O (fp32, in its register order) and the LSE rows to its slot of a global workspace. It then counts
     itself in on the tile's arrival counter. Whichever part arrives last merges the others into its registers
     (O = sum of exp(lse_p - lse) O_p) and stores O and the LSE as a whole tile would. No worker ever waits for another.
   * The last arrival puts the counter back to 0, so the workspace is ready for the next launch on the stream.
 
-Workspace (`runtime.launch.split_tail_workspace`): `arrivals` int32, one per tail tile and CTA of a cluster;
-`partials` fp32, `SPLIT_TAIL_SLOTS` slots per CTA of `slot_floats(cfg)` each.
+Workspace (`runtime.launch.scheduler_workspace`, sized by `workspace_sizes`): `arrivals` int32, one per tail tile
+and CTA of a cluster; `partials` fp32, `SPLIT_TAIL_SLOTS` slots per CTA of `slot_floats(...)` words each.
 """
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from .carry import Carried
+from .layout import rows_view
 from .named_barrier import FwdBarrier
+from .softmax import rescale_rows
 
 SPLIT_TAIL_SLOTS = 2  # partial results one CTA publishes per launch at most: its first and its last unit
 
@@ -121,10 +124,9 @@ def publish_and_arrive(split: SplitTail, workspace, flag: cute.Tensor, acc_o: cu
 
 @cute.jit
 def merge_parts(split: SplitTail, workspace, acc_o: cute.Tensor, lse: cute.Tensor, t: Int32, rank: Int32,
-                cluster_m: cutlass.Constexpr[int], tidx: Int32, num_threads: cutlass.Constexpr[int], rows_of):
+                cluster_m: cutlass.Constexpr[int], tidx: Int32, num_threads: cutlass.Constexpr[int]):
     """The last part of tail tile `t`: fold every other worker's part into this thread's O rows and LSE (natural
-    log, -inf for a row no part saw a key of). `rows_of(fragment)` is the (rows, cols) view of an O fragment."""
-    from .softmax import rescale_rows
+    log, -inf for a row no part saw a key of), two parts at a time."""
     _, partials = workspace
     n_o = cute.size(acc_o)
     n_rows = cute.size(lse)
@@ -155,7 +157,7 @@ def merge_parts(split: SplitTail, workspace, acc_o: cute.Tensor, lse: cute.Tenso
                     lse[r] = high + cute.math.log2(total, fastmath=True) / log2_e
             rescale_rows(acc_o, w_own)
             rescale_rows(part, w_part)
-            o_rows, p_rows = rows_of(acc_o), rows_of(part)
+            o_rows, p_rows = rows_view(acc_o), rows_view(part)
             for r in cutlass.range_constexpr(n_rows):
                 o_rows[r, None].store(o_rows[r, None].load() + p_rows[r, None].load())
 
