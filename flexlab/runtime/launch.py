@@ -196,6 +196,12 @@ def tile_counter(device: torch.device, stream: torch.cuda.Stream | None = None) 
     return counter
 
 
+@lru_cache(maxsize=None)
+def _split_tail_sizes(cfg: FwdConfig) -> tuple[int, int]:
+    from ..kernels.split_tail import workspace_sizes  # (imports cutlass: only once a split-tail kernel runs)
+    return workspace_sizes(cfg)
+
+
 _SPLIT_TAIL_SPACES: dict[tuple, tuple] = {}
 _GRAPH_SPACES: list[tuple] = []
 
@@ -208,8 +214,7 @@ def scheduler_workspace(cfg: FwdConfig, device: torch.device):
         return tile_counter(device)
     if not cfg.split_tail:
         return None
-    from ..kernels.split_tail import workspace_sizes
-    counters, floats = workspace_sizes(cfg)
+    counters, floats = _split_tail_sizes(cfg)
 
     def make():
         return (torch.zeros(counters, dtype=torch.int32, device=device),

@@ -39,6 +39,19 @@ def _run(Sq, Skv, D, Hkv, score_mod=None, bm=None, trainable=(), with_lse=False,
         assert t.grad is not None and not torch.isnan(t.grad).any()
 
 
+def _force_persistent(ctas: int):
+    from dataclasses import replace
+
+    from flexlab.kernels import bwd_launch
+    default = bwd_launch._config
+
+    def forced(head_dim, deterministic, *rest):
+        cfg = default(head_dim, deterministic, *rest)
+        looped = replace(cfg, persistent_ctas=ctas)
+        return cfg if deterministic or looped.feasibility_error() else looped
+    bwd_launch._config = forced
+
+
 def main(argv=None) -> int:
     import argparse
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -51,7 +64,12 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dims", default="64,128,256", help="head dims of the basic and --variants cases")
     ap.add_argument("--no-basic", action="store_true", help="skip the dense, GQA and causal-window cases")
     ap.add_argument("--deterministic", action="store_true", help="run each gallery case in deterministic mode too")
+    ap.add_argument("--persistent-ctas", type=int, default=0,
+                    help="run every non-deterministic backward as this many persistent CTAs (small: each loops over "
+                         "several KV tiles, which the default's one CTA per SM never does at these lengths)")
     args = ap.parse_args(argv)
+    if args.persistent_ctas:
+        _force_persistent(args.persistent_ctas)
     if args.config != "default":
         from flexlab.kernels import bwd_launch
         from flexlab.kernels.bwd_config import candidate_bwd_configs
