@@ -271,8 +271,9 @@ class FlexFwdSm90:
     @cute.jit
     def load(self, mQ, mK, mV, sQ, sK, sV, tma_q, tma_k, tma_v, pipe_q, pipe_k, pipe_v, qhead_per_kvhead: Int32,
              tiles, sparse, order, num_kv_blocks: Int32, first, workspace, handoff):
-        """Producer warp: this CTA's tile, or (persistent) every G-th tile from its block index, or (dynamic) its
-        block index first and then whatever tile the counter hands out, each passed on to the consumers."""
+        """Producer warp: this CTA's tile, or (persistent) every G-th tile from its block index and then, with
+        `split_tail`, its run of the tail's parts, or (dynamic) its block index first and then whatever tile the
+        counter hands out, each passed on to the consumers."""
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         if cutlass.const_expr(self.dynamic):
