@@ -28,6 +28,9 @@ SUPPORTED_HEAD_DIMS = (64, 128, 256)
 # a ring of shared-memory slots, each (valid, m_block, head, batch, partial blocks, full blocks).
 TILE_SLOTS = 2
 TILE_SLOT_WORDS = 6
+# The split tail (`FwdConfig.split_tail`): partial results one CTA publishes per launch at most, its run's first and
+# last unit (`kernels.split_tail`).
+SPLIT_TAIL_SLOTS = 2
 
 # Debug-only stage removal (`FwdConfig.ablate`): each name compiles a kernel with one stage of the forward taken out,
 # so that timing it against the full kernel says what that stage costs. Outputs of ablated kernels are wrong.
@@ -210,6 +213,13 @@ class FwdConfig:
         q = self.tile_m * self.head_dim * self.dtype_bytes
         kv = self.num_stages * self.tile_n * self.head_dim * self.dtype_bytes
         return up(barriers) + up(q) * (2 if separate_o else 1) + 2 * up(kv)
+
+    def split_tail_workspace(self) -> tuple[int, int]:
+        """(int32 arrival counters, fp32 partial words) the split tail needs: at most two rounds of tiles are in the
+        tail, and each CTA publishes at most `SPLIT_TAIL_SLOTS` parts, each every consumer thread's O fragment
+        (head_dim / 2 values) and its two LSE rows (`kernels.split_tail.publish_and_arrive`)."""
+        threads = 128 * self.num_consumer_wgs
+        return 2 * self.persistent_ctas, self.persistent_ctas * SPLIT_TAIL_SLOTS * threads * (self.head_dim // 2 + 2)
 
     def smem_bytes(self) -> int:
         """Bytes of the kernel's shared-storage struct: mbarriers first, then Q (reused for O unless `separate_o`),

@@ -15,8 +15,8 @@ SMs take 16 rounds for 15.5 rounds of work. Here the whole rounds stay one tile 
     (O = sum of exp(lse_p - lse) O_p) and stores O and the LSE as a whole tile would. No worker ever waits for another.
   * The last arrival puts the counter back to 0, so the workspace is ready for the next launch on the stream.
 
-Workspace (`runtime.launch.scheduler_workspace`, sized by `workspace_sizes`): `arrivals` int32, one per tail tile
-and CTA of a cluster; `partials` fp32, `SPLIT_TAIL_SLOTS` slots per CTA of `slot_floats(...)` words each.
+Workspace (`runtime.launch.scheduler_workspace`, sized by `FwdConfig.split_tail_workspace`): `arrivals` int32, one
+per tail tile and CTA of a cluster; `partials` fp32, `SPLIT_TAIL_SLOTS` slots per CTA.
 """
 from __future__ import annotations
 
@@ -25,26 +25,10 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from .carry import Carried
+from .config import SPLIT_TAIL_SLOTS
 from .layout import rows_view
 from .named_barrier import FwdBarrier
 from .softmax import rescale_rows
-
-SPLIT_TAIL_SLOTS = 2  # partial results one CTA publishes per launch at most: its first and its last unit
-
-
-def slot_floats(num_consumer_threads: int, o_values: int, rows: int) -> int:
-    """fp32 words of one published part: every consumer thread's O fragment, then its LSE rows."""
-    return num_consumer_threads * (o_values + rows)
-
-
-def workspace_sizes(cfg) -> tuple[int, int]:
-    """(arrival counters, fp32 partial words) a kernel of `cfg` with `split_tail` needs: at most two rounds of tiles
-    are in the tail, and each CTA publishes at most two parts."""
-    ctas = cfg.persistent_ctas
-    threads = 128 * cfg.num_consumer_wgs
-    # each thread holds head_dim / 2 values of O, in two rows (+0 and +8 of its warp's 16) of its warpgroup's slab
-    return 2 * ctas, ctas * SPLIT_TAIL_SLOTS * slot_floats(threads, cfg.head_dim // 2, 2)
-
 
 class SplitTail(Carried):
     """Trace-time helper: the tail's shape for one launch, built the same way by the producer and the consumers.
@@ -170,4 +154,5 @@ def _where(cond, a, b):
 
 
 def _slot_words(acc_o, lse, num_threads: int) -> int:
-    return slot_floats(num_threads, cute.size(acc_o), cute.size(lse))
+    """fp32 words of one published part: every consumer thread's O fragment, then its LSE rows."""
+    return num_threads * (cute.size(acc_o) + cute.size(lse))

@@ -173,61 +173,46 @@ def _compiled(mods: KernelMods, dtype: torch.dtype, cfg: FwdConfig, arch: str, s
     return hit
 
 
-_TILE_COUNTERS: dict[tuple, torch.Tensor] = {}
-_GRAPH_COUNTERS: list[torch.Tensor] = []
+# Scheduling buffers kernels leave as they found them (counters back at 0), so launches that run one after another
+# share them: one per stream (and size). Kernels on two streams may overlap, so they never share one; under CUDA-graph
+# capture every launch gets its own, kept for the graph's life (replayed later, maybe beside eager launches).
+_STREAM_BUFFERS: dict[tuple, object] = {}
+_GRAPH_BUFFERS: list = []
+
+
+def _per_stream(device: torch.device, what: tuple, make, stream: torch.cuda.Stream | None = None):
+    """The buffer `make()` builds for `what` on this stream (`stream`; default the current one)."""
+    if torch.cuda.is_current_stream_capturing():
+        made = make()
+        _GRAPH_BUFFERS.append(made)
+        return made
+    # the raw handle: building a torch Stream object costs microseconds per call
+    handle = _current_raw_stream(device.index) if stream is None else stream.cuda_stream
+    key = (device.index, handle, what)
+    hit = _STREAM_BUFFERS.get(key)
+    if hit is None:
+        hit = _STREAM_BUFFERS[key] = make()
+    return hit
 
 
 def tile_counter(device: torch.device, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
-    """The zeroed int32 counter a `dynamic_tiles` kernel hands tiles out with, one per stream: launches on one stream
-    run one after another and each leaves it at 0 (`kernels.tile_scheduler.claim_tile`); kernels on two streams may
-    overlap, so they never share one (`stream`: whose counter; default the current one). Under CUDA-graph capture
-    every launch gets its own, kept for the graph's life."""
-    if torch.cuda.is_current_stream_capturing():  # replayed later, maybe beside eager launches: never shared
-        counter = torch.zeros(1, dtype=torch.int32, device=device)
-        _GRAPH_COUNTERS.append(counter)
-        return counter
-    if stream is None:  # the raw handle: building a torch Stream object costs microseconds per call
-        key = (device.index, _current_raw_stream(device.index))
-    else:
-        key = (device.index, stream.cuda_stream)
-    counter = _TILE_COUNTERS.get(key)
-    if counter is None:
-        counter = _TILE_COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
-    return counter
-
-
-@lru_cache(maxsize=None)
-def _split_tail_sizes(cfg: FwdConfig) -> tuple[int, int]:
-    from ..kernels.split_tail import workspace_sizes  # (imports cutlass: only once a split-tail kernel runs)
-    return workspace_sizes(cfg)
-
-
-_SPLIT_TAIL_SPACES: dict[tuple, tuple] = {}
-_GRAPH_SPACES: list[tuple] = []
+    """The zeroed int32 counter a `dynamic_tiles` kernel (and a persistent backward) hands tiles out with, one per
+    stream: each launch leaves it at 0 (`kernels.tile_scheduler.claim_tile`)."""
+    return _per_stream(device, ("tiles",), lambda: torch.zeros(1, dtype=torch.int32, device=device), stream)
 
 
 def scheduler_workspace(cfg: FwdConfig, device: torch.device):
     """What a kernel of `cfg` schedules its tiles with: the tile counter (`dynamic_tiles`), the split tail's
     (zeroed arrival counters, partial results) (`split_tail`, `kernels.split_tail`), else None. One per stream and
-    size, as `tile_counter`; the kernel leaves the counters at 0 and overwrites every partial before reading it."""
+    size; the kernel leaves the counters at 0 and overwrites every partial before reading it."""
     if cfg.dynamic_tiles:
         return tile_counter(device)
     if not cfg.split_tail:
         return None
-    counters, floats = _split_tail_sizes(cfg)
-
-    def make():
-        return (torch.zeros(counters, dtype=torch.int32, device=device),
-                torch.empty(floats, dtype=torch.float32, device=device))
-    if torch.cuda.is_current_stream_capturing():
-        space = make()
-        _GRAPH_SPACES.append(space)
-        return space
-    key = (device.index, _current_raw_stream(device.index), counters, floats)
-    space = _SPLIT_TAIL_SPACES.get(key)
-    if space is None:
-        space = _SPLIT_TAIL_SPACES[key] = make()
-    return space
+    counters, floats = cfg.split_tail_workspace()
+    return _per_stream(device, ("split", counters, floats),
+                       lambda: (torch.zeros(counters, dtype=torch.int32, device=device),
+                                torch.empty(floats, dtype=torch.float32, device=device)))
 
 
 # torch's own cheap accessor for the current stream's handle (what its compiled kernels use), where the build has it

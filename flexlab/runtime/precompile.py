@@ -19,8 +19,9 @@ import os
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 
-_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "bf16": "bfloat16", "fp16": "float16"}
 from ..kernels.config import H200_SMS  # the persistent kernels' grid size without a GPU to ask
+
+_DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def _build_mods(name):

@@ -10,8 +10,8 @@ import pytest
 
 pytest.importorskip("cutlass")
 
-from flexlab.kernels.config import FwdConfig  # noqa: E402
-from flexlab.kernels.split_tail import SPLIT_TAIL_SLOTS, SplitTail, workspace_sizes  # noqa: E402
+from flexlab.kernels.config import SPLIT_TAIL_SLOTS, FwdConfig  # noqa: E402
+from flexlab.kernels.split_tail import SplitTail  # noqa: E402
 
 
 def _units(split: SplitTail) -> list[tuple[int, int, int]]:
@@ -70,7 +70,7 @@ def test_each_worker_publishes_into_its_own_two_slots(num_tiles, workers, blocks
 def test_the_workspace_holds_every_counter_and_slot(cluster_m, tile_m, head_dim):
     cfg = FwdConfig(head_dim=head_dim, tile_m=tile_m, num_stages=3 if tile_m == 192 else 2, persistent_ctas=132,
                     cluster_m=cluster_m, split_tail=True).validate()
-    counters, floats = workspace_sizes(cfg)
+    counters, floats = cfg.split_tail_workspace()
     workers = cfg.persistent_ctas // cluster_m
     threads = 128 * cfg.num_consumer_wgs
     slot = threads * (head_dim // 2 + 2)  # O fragment and two LSE rows per thread (`publish_and_arrive`)
