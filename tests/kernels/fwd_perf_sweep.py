@@ -848,7 +848,9 @@ def main(argv=None) -> int:
             if fam not in families:
                 families.add(fam)
                 compile_jobs.append((row_fields, v, num_sms))
-    doc = {"environment": environment(device), "settings": {**vars(args), "num_sms": num_sms},
+    # (the output's file name only: the JSON is committed, the directory it was written to is the machine's)
+    doc = {"environment": environment(device),
+           "settings": {**vars(args), "out": os.path.basename(args.out), "num_sms": num_sms},
            "tvm_ffi": tvm_ffi_available(), "ablations": ABLATIONS, "compile": [], "rows": []}
     if not tvm_ffi_available():
         print("warning: apache-tvm-ffi missing: kernels cannot be shared through the disk cache, so every variant "
