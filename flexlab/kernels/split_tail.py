@@ -30,6 +30,7 @@ from .layout import rows_view
 from .named_barrier import FwdBarrier
 from .softmax import rescale_rows
 
+
 class SplitTail(Carried):
     """Trace-time helper: the tail's shape for one launch, built the same way by the producer and the consumers.
 
