@@ -90,6 +90,14 @@ DENSE_TILE_M = 80
 # and documents B4·S4k) 0.99-1.01x; 52-128 (dense B4·S4k, causal S16k) 0.96-1.00x. Each tile's start (K, V and the
 # first Q/dO loads, ~5 µs of a one-tile CTA's life besides its steps) now overlaps the previous tile's epilogue.
 PERSISTENT_MAX_MEAN_STEPS = 24
+# The split tail (`BwdConfig.split_tail`, `split_parts`): what a KV tile costs besides its query steps, in steps, for
+# a whole tile (K and V loaded before the first step, the epilogue after the last: ~5 µs, about two steps, measured
+# in bwd_tile_overhead_h200_2026-12-02.json) and for a part of a cut tile (the same, plus publishing or adding the
+# other parts' fp32 dK and dV); at most this many parts per tile, of at least this many steps each.
+WHOLE_TILE_COST_STEPS = 2
+TAIL_PART_COST_STEPS = 3
+MAX_TAIL_PARTS = 8
+MIN_TAIL_PART_STEPS = 4
 # Block-sparse backward kernels run their KV tiles longest-first within L2-sized head groups (`lpt_order`).
 LPT_ORDER = True
 # `lpt_order`: bytes of Q, dO and the fp32 dQ sums one group of (batch, KV head) pairs may hold in L2 together.
@@ -147,6 +155,17 @@ class BwdConfig:
     # The launcher runs persistent CTAs, one per SM, where the KV tiles walk few query tiles (`runs_persistent`):
     # there a CTA's start and end are a large share of its work. Off for the sweep's one-tile-per-CTA candidate.
     persistent_short_tiles: bool = True
+    # Dense, one CTA per tile: the tiles of the last wave, which would leave SMs idle (2048 tiles on 132 SMs run 16
+    # waves for 15.5 waves of work), are cut into `parts` CTAs each, each walking an even share of the tile's query
+    # steps; the last part to finish adds the others' dK and dV and stores them (`kernels.split_tail.TailPiece`). Two
+    # kernels on the stream: one of `whole_tiles_only` (today's kernel, whose CTAs past the whole tiles do nothing),
+    # then one of `split_tail` (the parts). The whole tiles keep the code of a kernel without a tail: one kernel that
+    # ran both decoded its tile from a 1-D index and bounded its steps at run time, and its whole tiles were 2-4% slower
+    # (BENCHMARKS.md). The launcher cuts where `split_parts` says that pays.
+    split_tail: bool = False
+    whole_tiles_only: bool = False
+    # The launcher may cut the last wave (`split_parts`); off for the sweep's candidate without it.
+    split_last_wave: bool = True
 
     @property
     def persistent(self) -> bool:
@@ -192,6 +211,8 @@ class BwdConfig:
         head = 8 * (2 + 2 * self.num_stages + self.anchored_wait)  # mbarriers: K/V, Q/dO per stage, the anchor
         if self.persistent:  # the tile slots: two mbarriers and TILE_SLOT_WORDS words each
             head += TILE_SLOTS * (16 + 4 * TILE_SLOT_WORDS)
+        if self.split_tail:  # the flag that says which part of a cut tile came last
+            head += 16
         if self.stats_in_smem:
             head += 2 * self.num_stages * self.tile_m * 4
         kv = 2 * self.tile_n * self.head_dim * self.dtype_bytes  # K and V (one-tile CTAs stage dK, dV over them)
@@ -231,6 +252,10 @@ class BwdConfig:
                                 or not (self.kv_tiles_first or self.lpt_order)):
             return ("persistent_ctas > 0 stages dK and dV in the dS buffers and hands tiles to the dQ warp: it needs "
                     "dq_warp, no split head dim, head_dim <= 2 * tile_m, and kv_tiles_first or lpt_order")
+        if (self.split_tail or self.whole_tiles_only) and (self.persistent or self.lpt_order or not self.kv_tiles_first
+                                                            or (self.split_tail and self.whole_tiles_only)):
+            return ("split_tail / whole_tiles_only cut the last wave of a grid of one CTA per KV tile in launch order: "
+                    "one of them, with kv_tiles_first and neither persistent_ctas nor lpt_order")
         if self.persistent_ctas < 0:
             return f"persistent_ctas={self.persistent_ctas} must be 0 (off) or a CTA count"
         if self.dq_red and self.dq_warp:
@@ -311,6 +336,28 @@ def default_bwd_config(head_dim: int, deterministic: bool = False, mod_grads: bo
                      lpt_order=_tile_order(deterministic, q_block))
 
 
+def split_parts(num_tiles: int, workers: int, steps: int) -> int:
+    """How many CTAs each tile of the last wave gets (`BwdConfig.split_tail`; 1: none cut) for `num_tiles` tiles of
+    `steps` query steps each on `workers` CTAs at a time.
+
+    After the whole waves, the `num_tiles % workers` tiles left run as parts: `parts` per tile, ceil(parts * tail /
+    workers) waves of them, each wave as long as a part (its share of the steps plus `TAIL_PART_COST_STEPS`). A cut is
+    taken only where it is shorter than the whole tiles' one wave (`steps` + `WHOLE_TILE_COST_STEPS`): 2048 tiles of
+    52 steps on 132 SMs leave 68, whose wave of 54 steps 3 parts each finish in 2 x (18 + 3) = 42."""
+    tail = num_tiles % workers
+    best, best_cost = 1, steps + WHOLE_TILE_COST_STEPS
+    if tail == 0:
+        return 1
+    for parts in range(2, MAX_TAIL_PARTS + 1):
+        share = -(-steps // parts)
+        if share < MIN_TAIL_PART_STEPS:
+            break
+        cost = -(-parts * tail // workers) * (share + TAIL_PART_COST_STEPS)
+        if cost < best_cost:
+            best, best_cost = parts, cost
+    return best
+
+
 def runs_persistent(cfg: BwdConfig, mean_steps, deterministic: bool, captured_grads: bool = False) -> bool:
     """Whether the launcher runs `cfg` as persistent CTAs for KV tiles of `mean_steps` query tiles on average (a
     number, or a function giving it, called last: it may read the block mask on the device). Not in deterministic
@@ -380,6 +427,8 @@ def candidate_bwd_configs(head_dim: int, deterministic: bool = False, mod_grads:
         # persistent CTAs, and one CTA per tile whatever the tiles' length (`runs_persistent`)
         cands["persistent"] = replace(base, persistent_ctas=num_sms)
         cands["one_tile_per_cta"] = replace(base, persistent_short_tiles=False)
+    if not deterministic and q_block is None:  # every tile of the last wave whole (`split_parts`)
+        cands["whole_last_wave"] = replace(base, split_last_wave=False)
     if deterministic:  # `neither` is then the other order with global stats: not a new question
         del cands["neither"]
     # (outside deterministic mode for block-sparse rows only: the launcher drops it without a block mask)

@@ -32,7 +32,6 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import OperandMajorMode
 from cutlass.cutlass_dsl import dsl_user_op
 
-from .block_sparse import KvSchedule
 from .config import TILE_SLOTS
 from .layout import tma_tiles
 from .named_barrier import BwdBarrier
@@ -208,7 +207,7 @@ class BwdDqReduce:
 
     @cute.jit
     def write_dq(self, mdQ, storage, sdQ_layout, tma_dq, n_block: Int32, head_kv: Int32, batch: Int32,
-                 qhead_per_kvhead: Int32, num_m_blocks: Int32, sparse, mdQsem, mRank, tiles):
+                 qhead_per_kvhead: Int32, num_m_blocks: Int32, sparse, mdQsem, mRank, tiles, piece=None):
         """The dQ warp (`BwdConfig.dq_warp`): the reduces of this CTA's KV tile, or (`tiles`, persistent CTAs) of
         every tile the producer warp hands over (`write_dq_tile`).
 
@@ -229,18 +228,18 @@ class BwdDqReduce:
                 valid, n_block, head_kv, batch, _ = take_tile(pipe_tile, slots, consumer_state_at(TILE_SLOTS, done))
         else:
             self.write_dq_tile(mdQ, storage, sdQ_layout, tma_dq, n_block, head_kv, batch, qhead_per_kvhead,
-                               num_m_blocks, sparse, mdQsem, mRank)
+                               num_m_blocks, sparse, mdQsem, mRank, piece)
 
     @cute.jit
     def write_dq_tile(self, mdQ, storage, sdQ_layout, tma_dq, n_block: Int32, head_kv: Int32, batch: Int32,
-                      qhead_per_kvhead: Int32, num_m_blocks: Int32, sparse, mdQsem, mRank):
+                      qhead_per_kvhead: Int32, num_m_blocks: Int32, sparse, mdQsem, mRank, piece=None):
         """For every step of the consumers' walk of one KV tile and every consumer warpgroup, wait for its partial
         (DQ_FULL), reduce it into global memory with TMA (in deterministic mode in its fixed turn), and hand the slab
         back once the copy has read it (DQ_EMPTY)."""
         sdQ = storage.sdQ.get_tensor(sdQ_layout)  # (lines, 256, warpgroup)
         for g in cutlass.range(qhead_per_kvhead, unroll=1):
             head = head_kv * qhead_per_kvhead + g
-            sched = KvSchedule(sparse, batch, head, n_block, num_m_blocks)
+            sched = self.head_schedule(sparse, batch, head, g, n_block, num_m_blocks, piece)
             order = (mdQsem, mRank, sched.b, sched.h, n_block)
             gdQ = self.dq_slabs(mdQ, head, batch)
             slabs = [tma_tiles(tma_dq, sdQ[None, None, w], gdQ) for w in range(self.num_wg)]  # per warpgroup

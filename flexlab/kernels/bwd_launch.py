@@ -25,7 +25,7 @@ import torch
 
 from ..errors import BackendUnavailableError
 from ..runtime.disk_cache import KernelCache, StampedKey, source_fingerprint
-from ..runtime.launch import _sm_count, tile_counter, tma_ready
+from ..runtime.launch import _sm_count, split_tail_buffers, tile_counter, tma_ready
 from . import bwd_config
 from .bwd_config import BwdConfig, default_bwd_config
 
@@ -481,18 +481,22 @@ def _kernels(g, grad_slots, kernel_aux, dtype: torch.dtype, cfg: BwdConfig, spar
 
 def backward_kernels(g, grad_slots, dtype: torch.dtype, head_dim: int, q_block: int | None = None,
                      has_dlse: bool = False, deterministic: bool = False, arch: str = "sm_90a",
-                     mask_bits: bool = False, persistent_ctas: int = 0) -> Kernels:
+                     mask_bits: bool = False, persistent_ctas: int = 0, cut_last_wave: bool = False) -> Kernels:
     """The compiled kernels a backward call with the generated mods `g` (None: none) would run, without running them
     (precompilation): `grad_slots` the captured tensors that require grad, `q_block` the block mask's Q block size
     (None without a mask), `mask_bits` whether the mods store partial-block bits (`ModEntry.stored_masks`; used where
     the tiles allow, as `stored_bits` decides), `persistent_ctas` the SM count where the call's KV tiles are short
-    (`bwd_config.runs_persistent`), else 0."""
+    (`bwd_config.runs_persistent`), else 0; `cut_last_wave` for a dense grid whose last wave is cut
+    (`bwd_config.split_parts`): the whole tiles' kernels are returned and the parts' kernel built beside them."""
     cfg = config_for(head_dim, deterministic, g, bool(grad_slots), q_block)
     if mask_bits and q_block is not None:
         cfg = with_mask_bits(cfg)
     if persistent_ctas:
         cfg = replace(cfg, persistent_ctas=persistent_ctas)
     kernel_aux = tuple(g.kernel_aux_tensors()) if g is not None else ()
+    if cut_last_wave:
+        _kernels(g, grad_slots, kernel_aux, dtype, replace(cfg, split_tail=True), False, has_dlse, deterministic, arch)
+        cfg = replace(cfg, whole_tiles_only=True)
     return _kernels(g, grad_slots, kernel_aux, dtype, cfg, q_block is not None, has_dlse, deterministic, arch)
 
 
@@ -507,6 +511,8 @@ class _Plan:
     sparse: tuple | None
     rank: torch.Tensor | None
     tile_order: torch.Tensor | None
+    # a cut last wave: (whole tiles, parts per cut tile, arrival counters, partial floats, the parts' kernel)
+    tail: tuple | None
     holds: tuple  # the objects whose ids key this plan, kept alive with it
 
 
@@ -574,11 +580,22 @@ def _build_plan(q, k, entry, cfg: BwdConfig, block_mask, block_size, determinist
     if dev.type == "cuda" and bwd_config.runs_persistent(cfg, mean_steps, deterministic,
                                                          has_captured_grads(g, entry.grad_slots)):
         cfg = replace(cfg, persistent_ctas=_sm_count(dev))
+    tail = None
+    if dev.type == "cuda" and cfg.split_last_wave and walk is None and not cfg.persistent and not deterministic:
+        # dense tiles all walk the same steps: cut the last wave where that pays (`bwd_config.split_parts`)
+        num_tiles, workers = B * Hkv * -(-Skv // cfg.tile_n), _sm_count(dev)
+        parts = bwd_config.split_parts(num_tiles, workers, int(mean_steps()))
+        if parts > 1:
+            cut = num_tiles % workers
+            parts_kernel = _kernels(g, entry.grad_slots, kernel_aux, q.dtype, replace(cfg, split_tail=True), False,
+                                    has_dlse, deterministic, arch).main
+            tail = (num_tiles - cut, parts, cut, cut * parts * 2 * cfg.tile_n * cfg.head_dim, parts_kernel)
+            cfg = replace(cfg, whole_tiles_only=True)
     kernels = _kernels(g, entry.grad_slots, kernel_aux, q.dtype, cfg, masks is not None, has_dlse, deterministic,
                        arch)
     rank = walk.ranks(sq_pad // cfg.tile_m, turns) if deterministic and walk is not None else None
     sparse = None if walk is None else walk.tensors if bits is None else walk.tensors + (bits.words,)
-    return _Plan(kernels, cfg, sq_pad, sparse, rank, tile_order,
+    return _Plan(kernels, cfg, sq_pad, sparse, rank, tile_order, tail,
                  (keyed_cfg, g, entry, *(block_mask or ()), walk, bits))
 
 
@@ -609,11 +626,18 @@ def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, bloc
     if deterministic:
         sem = torch.zeros((B, Hq, sq_pad // cfg.tile_m, cfg.num_consumer_wgs), dtype=torch.int32, device=dev)
     scalars = g.kernel_aux_scalar_values(aux_scalars) if g is not None else ()
+    whole = None
+    if plan.tail is not None:  # the whole tiles' kernel stops at the cut ones
+        whole = plan.tail[:1]
 
     # Argument order = the kernels' __call__ signatures; None for an input compiled as absent.
     kernels.pre(out, dout, lse.contiguous(), dlse.contiguous() if dlse is not None else None, dpsum, lse2, dq_accum)
     kernels.main(q, k, v, dout, lse2, dpsum, dq_accum, dk, dv, scale, Hq // k.shape[1], plan.sparse, kernel_aux,
-                 scalars, grads, sem, plan.rank, plan.tile_order, tile_counter(dev) if cfg.persistent else None)
+                 scalars, grads, sem, plan.rank, plan.tile_order, tile_counter(dev) if cfg.persistent else None, whole)
+    if plan.tail is not None:  # then the cut tiles' parts (one fp32 dK and dV tile of workspace per part)
+        whole_tiles, parts, cut, floats, parts_kernel = plan.tail
+        parts_kernel(q, k, v, dout, lse2, dpsum, dq_accum, dk, dv, scale, Hq // k.shape[1], None, kernel_aux, scalars,
+                     grads, None, None, None, None, (whole_tiles, parts) + split_tail_buffers(dev, cut, floats))
     kernels.post(dq_accum, dq, scale)
     if kernels.grad_dtype == torch.int64:
         from .bwd_aux_grad import from_fixed_point

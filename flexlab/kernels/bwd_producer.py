@@ -18,6 +18,7 @@ from cutlass.cute.nvgpu import cpasync
 from .block_sparse import KvSchedule
 from .config import TILE_SLOT_WORDS, TILE_SLOTS
 from .layout import tma_tiles
+from .split_tail import TailPiece
 from .stage_waits import acquire_empty
 from .tile_scheduler import claim_tile, hand_over_words
 
@@ -28,12 +29,14 @@ class BwdProducer:
     @cute.jit
     def load(self, mQ, mK, mV, mdO, sQ, sK, sV, sdO, tma_q, tma_k, tma_v, tma_do, pipe_kv, pipe_qdo,
              n_block: Int32, head_kv: Int32, batch: Int32, qhead_per_kvhead: Int32, num_m_blocks: Int32, sparse,
-             stats, tiles):
+             stats, tiles, piece=None):
         """Producer warp: this CTA's KV tile, or (`BwdConfig.persistent_ctas`) its block index first and then every
         tile the counter hands out, each passed on to the consumers and the dQ warp before its loads.
 
         `stats`: None, or (mLSE2, mDpsum, sLSE2, sDpsum) when the row statistics travel through shared memory;
-        `tiles`: None, or (tile counter, tile count, slot pipeline, slot words, tile order, KV tiles, KV heads)."""
+        `tiles`: None, or (tile counter, tile count, slot pipeline, slot words, tile order, KV tiles, KV heads);
+        `piece`: None, or (`split_tail`) the shape of the cut tail (`TailPiece.of_this_cta`): this CTA loads its
+        part's steps alone."""
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
         if cutlass.const_expr(tiles is not None):
@@ -53,7 +56,7 @@ class BwdProducer:
             hand_over_words(pipe_tile, slots, slot, tuple(Int32(0) for _ in range(TILE_SLOT_WORDS)))
         else:
             self.load_tile(mQ, mK, mV, mdO, sQ, sK, sV, sdO, tma_q, tma_k, tma_v, tma_do, pipe_kv, pipe_qdo, n_block,
-                           head_kv, batch, qhead_per_kvhead, num_m_blocks, sparse, stats, kv_state, state)
+                           head_kv, batch, qhead_per_kvhead, num_m_blocks, sparse, stats, kv_state, state, piece)
 
     @cute.jit
     def work_coords(self, work: Int32, tiles) -> tuple:
@@ -67,7 +70,7 @@ class BwdProducer:
     @cute.jit
     def load_tile(self, mQ, mK, mV, mdO, sQ, sK, sV, sdO, tma_q, tma_k, tma_v, tma_do, pipe_kv, pipe_qdo,
                   n_block: Int32, head_kv: Int32, batch: Int32, qhead_per_kvhead: Int32, num_m_blocks: Int32, sparse,
-                  stats, kv_state, state):
+                  stats, kv_state, state, piece=None):
         """K and V of one KV tile (once the consumers have released the last tile's), then (Q, dO[, LSE2, D]) per
         query tile of every query head in the GQA group. Returns the advanced pipeline states."""
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (n_block, 0))
@@ -85,7 +88,7 @@ class BwdProducer:
             gdO = cute.local_tile(mdO[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
             tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
             tdOsdO, tdOgdO = tma_tiles(tma_do, sdO, gdO)
-            sched = KvSchedule(sparse, batch, head, n_block, num_m_blocks)
+            sched = self.head_schedule(sparse, batch, head, g, n_block, num_m_blocks, piece)
             for i in cutlass.range(sched.total, unroll=1):
                 m_block = sched.block(i)
                 acquire_empty(pipe_qdo, state, self.try_wait_first)
@@ -96,6 +99,16 @@ class BwdProducer:
                     self.load_row_stats(stats, batch, head, m_block, state.index, bar)
                 state.advance()
         return kv_state, state
+
+    def head_schedule(self, sparse, batch: Int32, head: Int32, g: Int32, n_block: Int32, num_m_blocks: Int32,
+                      piece) -> KvSchedule:
+        """The query tiles KV tile `n_block` visits for query head `head` (the group's `g`-th), walked alike by the
+        producer, the consumers and the dQ warp: all of them, or (`piece`, the cut tail's shape; dense) this CTA's
+        share. (The CTA's `TailPiece` is rebuilt here from its index, not kept live through the steps.)"""
+        if cutlass.const_expr(piece is None):
+            return KvSchedule(sparse, batch, head, n_block, num_m_blocks)
+        part = TailPiece.of_this_cta(*piece).head_steps(g, num_m_blocks)
+        return KvSchedule(sparse, batch, head, n_block, num_m_blocks, part=part)
 
     @cute.jit
     def load_row_stats(self, stats, batch: Int32, head: Int32, m_block: Int32, stage: Int32, bar):

@@ -34,6 +34,10 @@ CTA order: KV tiles first (the CTAs of one head side by side, sharing Q and dO i
 deterministic mode, the launcher's longest-first order within L2-sized head groups (`BwdConfig.lpt_order`); in
 deterministic mode, the launcher's turn order (`bwd_launch.turn_tile_order`).
 
+A cut last wave (dense, `BwdConfig.whole_tiles_only` then `BwdConfig.split_tail`): this kernel runs the whole
+waves of tiles, and a second one the tiles after them, each as `parts` CTAs over shares of its query steps whose dK
+and dV the last to finish adds up (`kernels.split_tail.TailPiece`).
+
 Persistent CTAs (`BwdConfig.persistent_ctas`, where KV tiles walk few query tiles): one CTA per SM takes the tiles
 in that same order, the producer warp claiming each next one from a global counter and handing it to the consumers
 and the dQ warp through shared-memory slots (`tile_scheduler`). The consumers give K and V back after a tile's last
@@ -63,7 +67,6 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warp, warpgroup
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
-from .block_sparse import KvSchedule
 from .bwd_aux_grad import GradRun, flush_aux_grads
 from .bwd_config import BwdConfig
 from .bwd_dq import (DQ_HANDOFF_THREADS, SLAB_LINE, BwdDqReduce, dq_accum_lines, dq_fragment_shape, dq_issuer,
@@ -73,6 +76,7 @@ from .bwd_step import BwdStep, StepOperands, opaque_i32
 from .config import TILE_SLOT_WORDS, TILE_SLOTS
 from .layout import bshd_view, convert_to_16bit, tma_tiles, transpose_smem
 from .named_barrier import BwdBarrier
+from .split_tail import TailPiece, add_parts, publish_sums
 from .tile_scheduler import consumer_state_at, take_tile
 
 __all__ = ["BwdBarrier", "FlexBwdSm90", "dq_issuer", "fake_arguments"]
@@ -136,6 +140,9 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         self.dq_warp = cfg.dq_warp
         self.dq_red = cfg.dq_red
         self.persistent = cfg.persistent
+        if (cfg.split_tail or cfg.whole_tiles_only) and deterministic:
+            raise ValueError("split_tail adds a cut tile's dK and dV in whichever order its parts finish, and its "
+                             "parts' dQ turns would not follow the launch order: not in deterministic mode")
         if self.persistent and deterministic:
             raise ValueError("persistent backward CTAs take tiles as they come; deterministic mode's dQ turns need "
                              "the launch order (persistent_ctas=0)")
@@ -154,6 +161,8 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         if self.persistent:  # the producer warp's tile hand-over (`tile_scheduler.hand_over_words`)
             fields.update(mbar_tile=MemRange[Int64, 2 * TILE_SLOTS],
                           tile_slots=MemRange[Int32, TILE_SLOTS * TILE_SLOT_WORDS])
+        if self.cfg.split_tail:  # which part of a cut tile came last (`split_tail.arrive`)
+            fields["split_flag"] = Align[MemRange[Int32, 4], 16]
         if self.stats_in_smem:  # bulk-copy destinations: 16-byte aligned
             rows = self.tile_m * self.num_stages
             fields.update(sLSE2=Align[MemRange[Float32, rows], 16], sDpsum=Align[MemRange[Float32, rows], 16])
@@ -172,13 +181,18 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
     def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mdO: cute.Tensor, mLSE2: cute.Tensor,
                  mDpsum: cute.Tensor, mdQaccum: cute.Tensor, mdK: cute.Tensor, mdV: cute.Tensor,
                  softmax_scale: Float32, qhead_per_kvhead: Int32, sparse, aux_tensors: tuple, aux_scalars: tuple,
-                 aux_grads: tuple, mdQsem, mRank, mTileOrder, tile_counter, stream: cuda.CUstream):
+                 aux_grads: tuple, mdQsem, mRank, mTileOrder, tile_counter, split_tail, stream: cuda.CUstream):
         """mQ/mdO (B, Hq, Sq, D), mK/mV/mdK/mdV (B, Hkv, Skv, D); mLSE2/mDpsum (B, Hq, Sq_pad) and mdQaccum
         (B, Hq, Sq_pad, D) fp32 with Sq_pad a multiple of tile_m; `sparse` = Q-direction block lists or None.
         Deterministic mode: mdQsem (B, Hq, Sq_pad / tile_m, consumer warpgroups) int32 zeros, and with a block mask
         mRank (Bm, Hm, KV tiles, Q tiles) int32: how many KV tiles visit that Q tile before this one in turn. With
         `lpt_order`, mTileOrder (B * Hkv * KV tiles, 3) int32: the (KV tile, KV head, batch) CTA i works on. With
-        `persistent_ctas`, tile_counter: the zeroed int32 (1,) counter the CTAs claim tiles from (left at 0)."""
+        `persistent_ctas`, tile_counter: the zeroed int32 (1,) counter the CTAs claim tiles from (left at 0). With
+        `whole_tiles_only`, split_tail = (whole tiles,): the CTAs of later tiles do nothing; with `split_tail`,
+        split_tail = (whole tiles, parts per cut tile, zeroed int32 arrival counters, fp32 partials): this kernel runs
+        the parts of the tiles after the whole ones (`kernels.split_tail.TailPiece`)."""
+        if cutlass.const_expr((self.cfg.split_tail or self.cfg.whole_tiles_only) and sparse is not None):
+            raise ValueError("BwdConfig.split_tail cuts tiles into even shares of their query steps: dense grids only")
         mQ, mK, mV, mdO, mdK, mdV = [bshd_view(t) for t in (mQ, mK, mV, mdO, mdK, mdV)]
         tile_m, tile_n, hd = self.tile_m, self.tile_n, self.head_dim
         mdQlines = dq_accum_lines(mdQaccum, hd)
@@ -246,9 +260,13 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
             grid = [cute.size(mTileOrder.shape[0]), 1, 1]
         if cutlass.const_expr(self.persistent):  # at most persistent_ctas CTAs walking the tiles in that order
             grid = [cutlass.min(grid[0] * grid[1] * grid[2], self.cfg.persistent_ctas), 1, 1]
+        if cutlass.const_expr(self.cfg.split_tail):  # `parts` CTAs per tile after the whole ones
+            whole, parts = split_tail[0], split_tail[1]
+            grid = [(grid[0] * grid[1] * grid[2] - whole) * parts, 1, 1]
         self.kernel(mQ_t, mK_t, mV_t, mdO_t, mdK_t, mdV_t, mdQ_t, mLSE2, mDpsum, tma_q, tma_k, tma_v, tma_do,
                     tma_dk, tma_dv, tma_dq, softmax_scale, log2_scale, qhead_per_kvhead, sparse, aux_tensors,
-                    aux_scalars, aux_grads, mdQsem, mRank, mTileOrder, tile_counter, sKV_layout, sQ_layout, sdS_layout,
+                    aux_scalars, aux_grads, mdQsem, mRank, mTileOrder, tile_counter, split_tail, sKV_layout,
+                    sQ_layout, sdS_layout,
                     sdQ_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, Storage).launch(
             grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
@@ -259,7 +277,7 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
                tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_do: cute.CopyAtom,
                tma_dk: cute.CopyAtom, tma_dv: cute.CopyAtom, tma_dq, softmax_scale: Float32,
                log2_scale: Float32, qhead_per_kvhead: Int32, sparse, aux_tensors, aux_scalars, aux_grads, mdQsem,
-               mRank, mTileOrder, tile_counter,
+               mRank, mTileOrder, tile_counter, split_tail,
                sKV_layout: cute.ComposedLayout, sQ_layout: cute.ComposedLayout, sdS_layout: cute.ComposedLayout,
                sdQ_layout: cute.Layout, tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma,
                tiled_mma_dq: cute.TiledMma, Storage: cutlass.Constexpr):
@@ -324,17 +342,48 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
                 head_kv, batch, n_block = cute.arch.block_idx()
             head_kv, batch, n_block = Int32(head_kv), Int32(batch), Int32(n_block)
         num_m_blocks = cute.ceil_div(mQ.shape[0], self.tile_m)
+        tail = None  # split_tail: (the tail's shape, workspace, the consumers' shared flag)
+        if cutlass.const_expr(self.cfg.split_tail):  # a 1-D grid of parts of the tiles after the whole ones
+            shape = (split_tail[0], split_tail[1], qhead_per_kvhead * num_m_blocks)
+            piece = TailPiece.of_this_cta(*shape)
+            # warp-uniform, as the block index of a 3-D grid is: the tile's addresses stay in uniform registers
+            hb = piece.tile // num_n_blocks
+            n_block = cute.arch.make_warp_uniform(piece.tile - hb * num_n_blocks)
+            head_kv = cute.arch.make_warp_uniform(hb % cute.size(mK.shape[2]))
+            batch = cute.arch.make_warp_uniform(hb // cute.size(mK.shape[2]))
+            # (the piece is rebuilt where it is used: kept live through the steps it cost the D=128 loop ~3%)
+            tail = (shape, (split_tail[2], split_tail[3]), storage.split_flag.get_tensor(cute.make_layout(4)))
         pipeline.pipeline_init_wait()
+        roles = (mQ, mK, mV, mdO, mdK, mdV, mdQ, mLSE2, mDpsum, sQ, sK, sV, sdO, sdS, storage, sKV_layout, sdQ_layout,
+                 tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv, tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
+                 pipe_kv, pipe_qdo, warp_idx, n_block, head_kv, batch, qhead_per_kvhead, num_m_blocks, sparse,
+                 softmax_scale, log2_scale, aux_tensors, aux_scalars, aux_grads, mdQsem, mRank, stats, bits, tiles,
+                 tail)
+        if cutlass.const_expr(self.cfg.whole_tiles_only):
+            # the tiles from split_tail[0] on are the tail kernel's (in launch order, as a 1-D grid would number them)
+            if n_block + num_n_blocks * (head_kv + cute.size(mK.shape[2]) * batch) < split_tail[0]:
+                self.run_roles(*roles)
+        else:
+            self.run_roles(*roles)
 
+    @cute.jit
+    def run_roles(self, mQ, mK, mV, mdO, mdK, mdV, mdQ, mLSE2, mDpsum, sQ, sK, sV, sdO, sdS, storage, sKV_layout,
+                  sdQ_layout, tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv, tma_dq, tiled_mma_sdp, tiled_mma_dkv,
+                  tiled_mma_dq, pipe_kv, pipe_qdo, warp_idx: Int32, n_block: Int32, head_kv: Int32, batch: Int32,
+                  qhead_per_kvhead: Int32, num_m_blocks: Int32, sparse, softmax_scale: Float32, log2_scale: Float32,
+                  aux_tensors, aux_scalars, aux_grads, mdQsem, mRank, stats, bits, tiles, tail):
+        """The warp roles: the producer warp, the dQ warp, and the consumer warpgroups (each with its registers)."""
         if warp_idx < 4:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 self.load(mQ, mK, mV, mdO, sQ, sK, sV, sdO, tma_q, tma_k, tma_v, tma_do, pipe_kv, pipe_qdo,
-                          n_block, head_kv, batch, qhead_per_kvhead, num_m_blocks, sparse, stats, tiles)
+                          n_block, head_kv, batch, qhead_per_kvhead, num_m_blocks, sparse, stats, tiles,
+                          tail[0] if cutlass.const_expr(tail is not None) else None)
             if cutlass.const_expr(self.dq_warp):
                 if warp_idx == 1:
                     self.write_dq(mdQ, storage, sdQ_layout, tma_dq, n_block, head_kv, batch, qhead_per_kvhead,
-                                  num_m_blocks, sparse, mdQsem, mRank, tiles)
+                                  num_m_blocks, sparse, mdQsem, mRank, tiles,
+                                  tail[0] if cutlass.const_expr(tail is not None) else None)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             tidx = cute.arch.thread_idx()[0] - 128
@@ -342,7 +391,7 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
                          tma_dk, tma_dv, tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_kv, pipe_qdo,
                          tidx, warp_idx, n_block, head_kv, batch, qhead_per_kvhead, num_m_blocks, sparse,
                          softmax_scale, log2_scale, aux_tensors, aux_scalars, aux_grads, mdQsem, mRank, stats, bits,
-                         tiles)
+                         tiles, tail)
 
     @cute.jit
     def consume(self, mQ, mK, mdK, mdV, mdQ, mLSE2, mDpsum, sQ, sK, sV, sdO, sdS, storage, sKV_layout, sdQ_layout,
@@ -350,7 +399,7 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
                 tiled_mma_dq: cute.TiledMma, pipe_kv, pipe_qdo, tidx: Int32, warp_idx: Int32, n_block: Int32,
                 head_kv: Int32, batch: Int32, qhead_per_kvhead: Int32, num_m_blocks: Int32, sparse,
                 softmax_scale: Float32, log2_scale: Float32, aux_tensors, aux_scalars, aux_grads, mdQsem, mRank,
-                stats, bits, tiles):
+                stats, bits, tiles, tail):
         wg = cute.arch.make_warp_uniform(tidx // 128)
         thr_sdp = tiled_mma_sdp.get_slice(tidx)
         wg_sdp = tiled_mma_sdp.get_slice(wg * 128)
@@ -429,7 +478,7 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
             # the dQ warp's last "slab free" (it also arrived once up front)
             cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_EMPTY_WG1) + wg, number_of_threads=DQ_HANDOFF_THREADS)
         else:
-            self.consume_tile(*args, n_block, head_kv, batch, consumer_state_at(1, Int32(0)), state, ds_index)
+            self.consume_tile(*args, n_block, head_kv, batch, consumer_state_at(1, Int32(0)), state, ds_index, tail)
         if cutlass.const_expr(self.grad_runs):
             flush_aux_grads(aux_grads)
 
@@ -438,9 +487,13 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
                      tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_kv, pipe_qdo, tidx: Int32, warp_idx: Int32,
                      wg: Int32, qhead_per_kvhead: Int32, num_m_blocks: Int32, sparse, softmax_scale: Float32,
                      log2_scale: Float32, aux_tensors, aux_scalars, aux_grads, mdQsem, mRank, bits, ops, acc_shape,
-                     sdQ_mine, n_block: Int32, head_kv: Int32, batch: Int32, kv_state, state, ds_index: Int32):
+                     sdQ_mine, n_block: Int32, head_kv: Int32, batch: Int32, kv_state, state, ds_index: Int32,
+                     tail=None):
         """One KV tile: dK and dV summed over every query tile (and query head) that attends to it, then stored.
-        Returns the advanced Q/dO pipeline state and dS buffer index, which persistent CTAs carry to their next tile."""
+        Returns the advanced Q/dO pipeline state and dS buffer index, which persistent CTAs carry to their next tile.
+        `tail` = (tail shape, workspace, flag) with `split_tail` (`TailPiece.of_this_cta`): this CTA is a part of a
+        cut tile; it walks its share of the steps, publishes its sums, and stores only if it came last, with the other
+        parts' added."""
         acc_dK = cute.make_rmem_tensor(acc_shape, Float32)
         acc_dV = cute.make_rmem_tensor(acc_shape, Float32)
         acc_dK.fill(0.0)
@@ -450,9 +503,44 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         seqlen_q, seqlen_k = mQ.shape[0], mK.shape[0]
         kv_start = n_block * self.tile_n
         pipe_kv.consumer_wait(kv_state)
+        walk = (seqlen_q, seqlen_k, kv_start, mdQ, mLSE2, mDpsum, tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
+                pipe_qdo, wg, qhead_per_kvhead, num_m_blocks, sparse, softmax_scale, log2_scale, aux_tensors,
+                aux_scalars, aux_grads, mdQsem, mRank, ops, sdQ_mine, n_block, head_kv, batch, acc_dK, acc_dV)
+        state, ds_index = self.walk_steps(*walk, state, ds_index,
+                                          tail[0] if cutlass.const_expr(tail is not None) else None)
+        if cutlass.const_expr(self.persistent):
+            # K and V go back to the producer, which loads the next tile's while the epilogue stages dK and dV in the
+            # dS buffers (the dQ warp's last slab hand-back is waited for by the next partial, or at the CTA's end).
+            pipe_kv.consumer_release(kv_state)
+        elif cutlass.const_expr(self.dq_warp):  # the dQ warp's last "slab free" (it also arrived once up front)
+            cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_EMPTY_WG1) + wg, number_of_threads=DQ_HANDOFF_THREADS)
+        elif cutlass.const_expr(not self.dq_red):
+            if dq_issuer():
+                cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last dQ reduce has read shared memory
+        keep = Int32(1)
+        if cutlass.const_expr(tail is not None):
+            shape, workspace, flag = tail
+            piece = TailPiece.of_this_cta(*shape)
+            keep = publish_sums(piece, workspace, flag, (acc_dK, acc_dV), tidx, int(BwdBarrier.EPILOGUE),
+                                self.num_consumer_threads)
+            if keep != 0:
+                add_parts(piece, workspace, (acc_dK, acc_dV), tidx, self.num_consumer_threads)
+        if keep != 0:
+            self.epilogue(acc_dK, acc_dV, softmax_scale, mdK, mdV, storage, sKV_layout, tma_dk, tma_dv,
+                          tiled_mma_dkv, tidx, warp_idx, n_block, head_kv, batch)
+        return state, ds_index
+
+    @cute.jit
+    def walk_steps(self, seqlen_q: Int32, seqlen_k: Int32, kv_start: Int32, mdQ, mLSE2, mDpsum, tma_dq,
+                   tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_qdo,
+                   wg: Int32, qhead_per_kvhead: Int32, num_m_blocks: Int32, sparse, softmax_scale: Float32,
+                   log2_scale: Float32, aux_tensors, aux_scalars, aux_grads, mdQsem, mRank, ops, sdQ_mine,
+                   n_block: Int32, head_kv: Int32, batch: Int32, acc_dK, acc_dV, state, ds_index: Int32, piece):
+        """The steps of one KV tile, for every query head of its GQA group, into acc_dK and acc_dV: all of them, or
+        (`piece`, the cut tail's shape) this part's share. Returns the advanced Q/dO state and dS buffer index."""
         for g in cutlass.range(qhead_per_kvhead, unroll=1):
             head = head_kv * qhead_per_kvhead + g
-            sched = KvSchedule(sparse, batch, head, n_block, num_m_blocks)
+            sched = self.head_schedule(sparse, batch, head, g, n_block, num_m_blocks, piece)
             if cutlass.const_expr(self.dq_red):
                 tdQs, tdQg = None, self.dq_slabs(mdQ, head, batch)
             else:
@@ -465,17 +553,6 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
                           seqlen_k, log2_scale, mods, wg)
                 state.advance()
                 ds_index = 1 - ds_index
-        if cutlass.const_expr(self.persistent):
-            # K and V go back to the producer, which loads the next tile's while the epilogue stages dK and dV in the
-            # dS buffers (the dQ warp's last slab hand-back is waited for by the next partial, or at the CTA's end).
-            pipe_kv.consumer_release(kv_state)
-        elif cutlass.const_expr(self.dq_warp):  # the dQ warp's last "slab free" (it also arrived once up front)
-            cute.arch.barrier(barrier_id=int(BwdBarrier.DQ_EMPTY_WG1) + wg, number_of_threads=DQ_HANDOFF_THREADS)
-        elif cutlass.const_expr(not self.dq_red):
-            if dq_issuer():
-                cute.arch.cp_async_bulk_wait_group(0, read=True)  # the last dQ reduce has read shared memory
-        self.epilogue(acc_dK, acc_dV, softmax_scale, mdK, mdV, storage, sKV_layout, tma_dk, tma_dv,
-                      tiled_mma_dkv, tidx, warp_idx, n_block, head_kv, batch)
         return state, ds_index
 
     @cute.jit
@@ -582,6 +659,11 @@ def fake_arguments(cfg: BwdConfig, dtype, block_sparse: bool = False, aux_tensor
     rank = compact(Int32, (sym(), sym(), sym(), sym())) if deterministic and block_sparse else None
     tile_order = compact(Int32, (sym(), 3)) if cfg.lpt_order and (block_sparse or deterministic) else None
     counter = compact(Int32, (1,)) if cfg.persistent else None
+    split_tail = None
+    if cfg.split_tail:  # (whole tiles, parts per cut tile, arrival counters, partials)
+        split_tail = (Int32(0), Int32(1), compact(Int32, (sym(),)), compact(Float32, (sym(),), align=16))
+    elif cfg.whole_tiles_only:  # (whole tiles,)
+        split_tail = (Int32(0),)
     return (bhsd(), bhsd(), bhsd(), bhsd(), rows, rows, accum, bhsd(), bhsd(), Float32(1.0), Int32(1), sparse,
-            aux_tensors, aux_scalars, aux_grads, sem, rank, tile_order, counter,
+            aux_tensors, aux_scalars, aux_grads, sem, rank, tile_order, counter, split_tail,
             make_fake_stream(use_tvm_ffi_env_stream=True))

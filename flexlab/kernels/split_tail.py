@@ -1,4 +1,5 @@
-"""The last wave of a persistent forward, split over every CTA by KV blocks (`FwdConfig.split_tail`).
+"""The last wave of a grid split over every SM: the forward's by KV blocks (`FwdConfig.split_tail`), the backward's
+by query steps (`TailPiece`, at the end).
 
 A persistent grid of G workers (CTAs, or 2-CTA clusters walking pairs of Q tiles) over N tiles runs ceil(N / G)
 rounds, and when N is not a multiple of G the last round leaves SMs idle: 2048 tiles of a dense B4·S4k row on 132
@@ -16,7 +17,8 @@ SMs take 16 rounds for 15.5 rounds of work. Here the whole rounds stay one tile 
   * The last arrival puts the counter back to 0, so the workspace is ready for the next launch on the stream.
 
 Workspace (`runtime.launch.scheduler_workspace`, sized by `FwdConfig.split_tail_workspace`): `arrivals` int32, one
-per tail tile and CTA of a cluster; `partials` fp32, `SPLIT_TAIL_SLOTS` slots per CTA.
+per tail tile and CTA of a cluster; `partials` fp32, `SPLIT_TAIL_SLOTS` slots per CTA. The backward's parts publish
+and count themselves in the same way (`publish`, `arrive`), and their sums are added (`add_parts`).
 """
 from __future__ import annotations
 
@@ -77,6 +79,45 @@ class SplitTail(Carried):
         return _where(self.run_start(worker) // self.blocks == t, 0, 1)
 
 
+class TailPiece(Carried):
+    """The backward's form of the split tail: one CTA per KV tile, the first `whole` tiles in one kernel
+    (`BwdConfig.whole_tiles_only`) and the tiles after them in a second one launched behind it
+    (`BwdConfig.split_tail`), `parts` CTAs per tile, each walking an even share of the tile's `steps` query steps
+    (numbered across the GQA group, head by head). The launcher picks `parts` so those shares fill the last waves
+    evenly (`bwd_config.split_parts`). dK and dV of a cut tile are sums over its steps: each part publishes its own,
+    and the last to arrive adds the others' and stores them. Built from the CTA index of the second kernel by every
+    warp; on Python ints too (the host-side tests).
+
+    `tile`: the KV tile (in the first kernel's launch order) this CTA works on; [`lo`, `hi`): its steps; `t`: the
+    tile's place among the cut ones (its arrival counter); `part`: which part of it this is."""
+
+    _FIELDS = ("tile", "lo", "hi", "t", "part", "parts")
+
+    def __init__(self, piece: Int32, whole: Int32, parts: Int32, steps: Int32):
+        self.parts = parts
+        self.t = piece // parts
+        self.part = piece - self.t * parts
+        self.tile = whole + self.t
+        self.lo = self.part * steps // parts
+        self.hi = (self.part + 1) * steps // parts
+
+    @staticmethod
+    def of_this_cta(whole: Int32, parts: Int32, steps: Int32) -> "TailPiece":
+        """The piece of the CTA running this code (the second kernel's 1-D grid: one CTA per piece)."""
+        return TailPiece(Int32(cute.arch.block_idx()[0]), whole, parts, steps)
+
+    def slot(self, part: Int32) -> Int32:
+        """The workspace slot of `part` of this CTA's tile (one per CTA of the cut waves)."""
+        return self.t * self.parts + part
+
+    def head_steps(self, g: Int32, num_m_blocks: Int32) -> tuple:
+        """(first, end) of this CTA's steps among query head `g`'s of the group (`KvSchedule`'s `part`; empty
+        where the range misses that head)."""
+        base = g * num_m_blocks
+        first = _clamp(self.lo - base, 0, num_m_blocks)
+        return _uniform(first), _uniform(_clamp(self.hi - base, first, num_m_blocks))
+
+
 @cute.jit
 def publish_and_arrive(split: SplitTail, workspace, flag: cute.Tensor, acc_o: cute.Tensor, lse: cute.Tensor,
                        t: Int32, rank: Int32, cluster_m: cutlass.Constexpr[int], tidx: Int32,
@@ -85,16 +126,37 @@ def publish_and_arrive(split: SplitTail, workspace, flag: cute.Tensor, acc_o: cu
     this part arrived last (it then merges the others, `merge_parts`), else 0."""
     arrivals, partials = workspace
     cta = split.worker * cluster_m + rank
-    base = (cta * SPLIT_TAIL_SLOTS + split.slot_of(split.worker, t)) * _slot_words(acc_o, lse, num_threads)
-    n_o = cute.size(acc_o)
-    for k in cutlass.range_constexpr(n_o):
-        partials[base + k * num_threads + tidx] = acc_o[k]
-    for r in cutlass.range_constexpr(cute.size(lse)):
-        partials[base + (n_o + r) * num_threads + tidx] = lse[r]
-    cute.arch.barrier(barrier_id=int(FwdBarrier.SPLIT_TAIL), number_of_threads=num_threads)
-    if tidx == 0:
+    base = (cta * SPLIT_TAIL_SLOTS + split.slot_of(split.worker, t)) * _slot_words((acc_o, lse), num_threads)
+    publish(partials, base, (acc_o, lse), tidx, num_threads)
+
+    def which():  # (the tile's counter, how many parts it has)
         parts = split.worker_of((t + 1) * split.blocks - 1) - split.worker_of(t * split.blocks) + 1
-        counter = t * cluster_m + rank
+        return t * cluster_m + rank, parts
+    return arrive(arrivals, which, flag, tidx, int(FwdBarrier.SPLIT_TAIL), num_threads)
+
+
+@cute.jit
+def publish(partials: cute.Tensor, base: Int32, frags: tuple, tidx: Int32, num_threads: cutlass.Constexpr[int]):
+    """Write this thread's fragments (fp32 register tensors) to the slot at `base`, element k of all threads side by
+    side (coalesced), one fragment after another."""
+    offset = 0
+    for f in cutlass.range_constexpr(len(frags)):
+        frag = frags[f]
+        for k in cutlass.range_constexpr(cute.size(frag)):
+            partials[base + (offset + k) * num_threads + tidx] = frag[k]
+        offset += cute.size(frag)
+
+
+@cute.jit
+def arrive(arrivals: cute.Tensor, which, flag: cute.Tensor, tidx: Int32, barrier_id: cutlass.Constexpr[int],
+           num_threads: cutlass.Constexpr[int]) -> Int32:
+    """After `publish`: count this part in on its tile's arrival counter; 1 in every thread if it came last of the
+    tile's parts (the counter is then put back to 0 for the next launch, and the other parts' writes are visible),
+    else 0. `which()` gives (counter, parts), worked out by the one thread that counts; `flag`: one int32 of shared
+    memory the threads share the answer through."""
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
+    if tidx == 0:
+        counter, parts = which()
         cute.arch.fence_acq_rel_gpu()  # every consumer's writes (ordered before the barrier) before the count
         old = Int32(cute.arch.atomic_add(arrivals.iterator + counter, Int32(1), sem="relaxed", scope="gpu"))
         last = Int32(0)
@@ -103,7 +165,7 @@ def publish_and_arrive(split: SplitTail, workspace, flag: cute.Tensor, acc_o: cu
             arrivals[counter] = Int32(0)  # every part is in: ready for the next launch
             cute.arch.fence_acq_rel_gpu()  # the other parts' writes before our reads of them
         flag[0] = last
-    cute.arch.barrier(barrier_id=int(FwdBarrier.SPLIT_TAIL), number_of_threads=num_threads)
+    cute.arch.barrier(barrier_id=barrier_id, number_of_threads=num_threads)
     return Int32(flag[0])
 
 
@@ -115,7 +177,7 @@ def merge_parts(split: SplitTail, workspace, acc_o: cute.Tensor, lse: cute.Tenso
     _, partials = workspace
     n_o = cute.size(acc_o)
     n_rows = cute.size(lse)
-    words = _slot_words(acc_o, lse, num_threads)
+    words = _slot_words((acc_o, lse), num_threads)
     log2_e = Float32(1.4426950408889634)
     part = cute.make_rmem_tensor_like(acc_o, Float32)
     w_own = cute.make_rmem_tensor_like(lse, Float32)
@@ -147,6 +209,32 @@ def merge_parts(split: SplitTail, workspace, acc_o: cute.Tensor, lse: cute.Tenso
                 o_rows[r, None].store(o_rows[r, None].load() + p_rows[r, None].load())
 
 
+
+@cute.jit
+def publish_sums(piece: TailPiece, workspace, flag: cute.Tensor, frags: tuple, tidx: Int32,
+                 barrier_id: cutlass.Constexpr[int], num_threads: cutlass.Constexpr[int]) -> Int32:
+    """A part of a cut backward tile: publish its dK and dV sums (`frags`), count it in, and return 1 in every
+    consumer thread if it came last (it then adds the others, `add_parts`, and stores), else 0."""
+    arrivals, partials = workspace
+    publish(partials, piece.slot(piece.part) * _slot_words(frags, num_threads), frags, tidx, num_threads)
+    return arrive(arrivals, lambda: (piece.t, piece.parts), flag, tidx, barrier_id, num_threads)
+
+
+@cute.jit
+def add_parts(piece: TailPiece, workspace, frags: tuple, tidx: Int32, num_threads: cutlass.Constexpr[int]):
+    """The last part of a cut backward tile: add every other part's published sums into this thread's fragments."""
+    _, partials = workspace
+    words = _slot_words(frags, num_threads)
+    for j in cutlass.range(piece.parts, unroll=1):
+        if j != piece.part:
+            base = piece.slot(j) * words
+            offset = 0
+            for f in cutlass.range_constexpr(len(frags)):
+                frag = frags[f]
+                for k in cutlass.range_constexpr(cute.size(frag)):
+                    frag[k] = frag[k] + partials[base + (offset + k) * num_threads + tidx]
+                offset += cute.size(frag)
+
 def _where(cond, a, b):
     """`a if cond else b` for DSL values in a kernel, and for Python ints (the host-side tests of the partition)."""
     if isinstance(cond, bool):
@@ -154,6 +242,19 @@ def _where(cond, a, b):
     return Int32(cutlass.select_(cond, Int32(a), Int32(b)))
 
 
-def _slot_words(acc_o, lse, num_threads: int) -> int:
-    """fp32 words of one published part: every consumer thread's O fragment, then its LSE rows."""
-    return num_threads * (cute.size(acc_o) + cute.size(lse))
+def _uniform(x):
+    """`x` marked warp-uniform in a kernel (loop bounds and tile coordinates then live in uniform registers, as a
+    grid's block index does); Python ints as they are."""
+    return x if isinstance(x, int) else cute.arch.make_warp_uniform(x)
+
+
+def _clamp(x, low, high):
+    """`x` limited to [low, high], for DSL values and Python ints alike."""
+    x = _where(x < low, low, x)
+    return _where(x > high, high, x)
+
+
+def _slot_words(frags: tuple, num_threads: int) -> int:
+    """fp32 words of one published part: every consumer thread's fragments (the forward's O and LSE rows, the
+    backward's dK and dV)."""
+    return num_threads * sum(cute.size(f) for f in frags)

@@ -209,7 +209,13 @@ def scheduler_workspace(cfg: FwdConfig, device: torch.device):
         return tile_counter(device)
     if not cfg.split_tail:
         return None
-    counters, floats = cfg.split_tail_workspace()
+    return split_tail_buffers(device, *cfg.split_tail_workspace())
+
+
+def split_tail_buffers(device: torch.device, counters: int, floats: int) -> tuple:
+    """(zeroed int32 arrival counters, fp32 partial results) of a split tail (`kernels.split_tail`), the forward's or
+    the backward's, one per stream and size: the kernels leave the counters at 0 and write every partial before
+    reading it."""
     return _per_stream(device, ("split", counters, floats),
                        lambda: (torch.zeros(counters, dtype=torch.int32, device=device),
                                 torch.empty(floats, dtype=torch.float32, device=device)))

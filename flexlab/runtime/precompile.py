@@ -88,6 +88,9 @@ def _one(job: tuple) -> tuple[str, float, str]:
             for ctas in backward_persistence(entry, head_dim, q_block, seqlens, num_sms):
                 backward_kernels(entry.generated, entry.grad_slots, dtype, head_dim, q_block,
                                  mask_bits=entry.stored_masks is not None, persistent_ctas=ctas)
+                if q_block is None and not ctas:  # dense grids whose last wave is cut (`bwd_config.split_parts`:
+                    # whether it is depends on the batch and head counts too, unknown here)
+                    backward_kernels(entry.generated, entry.grad_slots, dtype, head_dim, None, cut_last_wave=True)
             label += " + backward"
         return label + ")", time.perf_counter() - t0, ""
     except Exception as e:  # noqa: BLE001  (reported per job; one bad variant must not stop the others)

@@ -38,6 +38,8 @@ def _mods(kind: str):
     def rel_bias(score, b, h, q_idx, kv_idx):
         return score + bias[h, torch.clamp(kv_idx - q_idx, -64, 64) + 64]
 
+    if kind == "dense_bias":  # a learnable relative bias without a block mask
+        return generate(rel_bias, None, fastmath=True), False, False
     return generate(rel_bias, causal, fastmath=True), True, False
 
 

@@ -134,7 +134,7 @@ def test_persistent_ctas_match_one_tile_per_cta(D, sparse, monkeypatch):
     dout = torch.randn(2, 8, Sq, D, device="cuda", dtype=torch.bfloat16)
     default = bwd_launch._config
     grads = {}
-    for name, options in (("one_tile_per_cta", dict(persistent_short_tiles=False)),
+    for name, options in (("one_tile_per_cta", dict(persistent_short_tiles=False, split_last_wave=False)),
                           ("persistent", dict(persistent_ctas=7))):
         cfg = replace(default(D, False, False, 128 if bm is not None else None), **options).validate()
         monkeypatch.setattr(bwd_launch, "_config", lambda *args, cfg=cfg: cfg)
@@ -146,6 +146,66 @@ def test_persistent_ctas_match_one_tile_per_cta(D, sparse, monkeypatch):
     for n, a, b in zip(("dq", "dk", "dv"), grads["persistent"], _reference_grads(q, k, v, None, bm, [], dout, True)):
         assert not torch.isnan(a).any(), f"NaN in {n}"
         assert grad_error(a, b) < GRAD_TOL, f"{n}: error {grad_error(a, b):.2e}"
+
+
+@needs_hopper
+@pytest.mark.parametrize("parts", [2, 3, 5, 8])
+@pytest.mark.parametrize("D,score", [(128, None), (64, None), (256, None), (128, "bias")])
+def test_split_tail_matches_whole_tiles(D, score, parts, monkeypatch):
+    """The cut last wave (`BwdConfig.whole_tiles_only`, then `split_tail`): with the launcher told the GPU has 5 SMs,
+    2 x 2 x 9 KV tiles leave 1 for a last wave, cut into `parts` CTAs of a second kernel that walk shares of its GQA
+    group's query steps; the last part to finish adds the others' dK and dV. Against whole tiles (the same sums in
+    another order) and float64; ragged lengths, GQA, and a learnable relative bias (its gradient's atomics from every
+    part)."""
+    from flexlab.kernels import bwd_config, bwd_launch
+    Sq, Skv = 1000, 1100
+    bias = torch.randn(8, 65, device="cuda", requires_grad=True)
+
+    def rel_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h, torch.clamp(kv_idx - q_idx, -32, 32) + 32]
+    score_mod, trainable = (rel_bias, [bias]) if score == "bias" else (None, [])
+    q, k, v = random_qkv(2, 8, Sq, Skv, D, torch.bfloat16, "cuda", Hkv=2, requires_grad=True)
+    dout = torch.randn(2, 8, Sq, D, device="cuda", dtype=torch.bfloat16)
+    monkeypatch.setattr(bwd_launch, "_sm_count", lambda dev: 5)
+    monkeypatch.setattr(bwd_config, "split_parts", lambda tiles, workers, steps: parts)
+    bwd_launch._PLANS.clear()  # (plans are cached per signature, not per SM count or cut)
+    split = _backward(q, k, v, score_mod, None, trainable, dout, True)
+    plan = next(reversed(bwd_launch._PLANS.values()))
+    assert plan.tail is not None and plan.tail[:2] == (35, parts), "the launcher did not cut the last wave"
+    monkeypatch.setattr(bwd_config, "split_parts", lambda tiles, workers, steps: 1)
+    bwd_launch._PLANS.clear()
+    whole = _backward(q, k, v, score_mod, None, trainable, dout, True)
+    assert next(reversed(bwd_launch._PLANS.values())).tail is None
+    names = ["dq", "dk", "dv"] + ["dbias"] * len(trainable)
+    for n, a, b in zip(names, split, whole):
+        assert not torch.isnan(a).any(), f"NaN in {n}"
+        assert rel_l2(a, b) < 1e-4, f"{n} against whole tiles: rel-L2 {rel_l2(a, b):.2e}"
+    for n, a, b in zip(names, split, _reference_grads(q, k, v, score_mod, None, trainable, dout, True)):
+        assert grad_error(a, b) < GRAD_TOL, f"{n}: error {grad_error(a, b):.2e}"
+
+
+@needs_hopper
+def test_long_dense_keys_cut_the_last_wave_by_default(monkeypatch):
+    """B4 H16 S4k at D=128: 2048 KV tiles on the H200's 132 SMs leave 68 for a 16th wave, which the launcher cuts
+    (`bwd_config.split_parts`); the gradients equal the whole tiles' within fp32 reordering, run after run."""
+    from dataclasses import replace
+
+    from flexlab.kernels import bwd_config, bwd_launch
+    if torch.cuda.get_device_properties(0).multi_processor_count != 132:
+        pytest.skip("the expected cut is worked out for 132 SMs")
+    q, k, v = random_qkv(4, 16, 4096, 4096, 128, torch.bfloat16, "cuda", requires_grad=True)
+    dout = torch.randn_like(q)
+    assert bwd_config.split_parts(2048, 132, -(-4096 // bwd_config.DENSE_TILE_M)) > 1
+    runs = [_backward(q, k, v, None, None, [], dout, False) for _ in range(2)]
+    plan = next(reversed(bwd_launch._PLANS.values()))
+    assert plan.cfg.whole_tiles_only and plan.tail[:2] == (1980, 3)  # 68 tiles cut in 3
+    whole_cfg = replace(bwd_launch._config(128, False, False, None), split_last_wave=False)
+    monkeypatch.setattr(bwd_launch, "_config", lambda *args: whole_cfg)
+    whole = _backward(q, k, v, None, None, [], dout, False)
+    assert next(reversed(bwd_launch._PLANS.values())).tail is None
+    for n, a, b, c in zip(("dq", "dk", "dv"), runs[0], runs[1], whole):
+        assert not torch.isnan(a).any(), f"NaN in {n}"
+        assert rel_l2(a, b) < 1e-4 and rel_l2(a, c) < 1e-4, n  # (fp32 sums in the order parts and tiles land)
 
 
 @needs_hopper

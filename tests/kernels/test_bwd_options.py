@@ -134,6 +134,11 @@ CELLS = [  # (name, head dim, options, kernel flavour): each option in a few fla
     ("persistent-dense", 128, dict(persistent_ctas=132), "dense"),
     ("persistent-mask", 128, dict(persistent_ctas=132), "mask"),
     ("persistent-mask-d64", 64, dict(persistent_ctas=132), "mask"),
+    # the split tail: parts of the last wave's tiles walk shares of the steps, publish dK/dV and the last adds them
+    ("split_tail-dense", 128, dict(split_tail=True), "dense"),
+    ("split_tail-dense-d64", 64, dict(split_tail=True), "dense"),
+    ("split_tail-dense_bias", 128, dict(split_tail=True), "dense_bias"),
+    ("whole_tiles_only-dense", 128, dict(whole_tiles_only=True), "dense"),
 ]
 
 
@@ -144,7 +149,7 @@ def test_option_compiles_without_spills(name, D, options, kind):
 
     from flexlab.kernels.bwd_config import default_bwd_config
     cfg = default_bwd_config(D)
-    if cfg.dq_swap_ab and ("mask" in kind or kind == "bias"):  # (80-row steps serve no block mask)
+    if cfg.dq_swap_ab and ("mask" in kind or "bias" in kind):  # (80-row steps: no block mask, no mod gradients)
         cfg = replace(cfg, tile_m=64, dq_swap_ab=False)
     cfg = replace(cfg, **options).validate()
     ptx, report = _compile(cfg, kind)
@@ -155,11 +160,11 @@ def test_option_compiles_without_spills(name, D, options, kind):
     if cfg.stats_in_smem:
         # LSE2 and D rows come in by two bulk copies per stage; the consumers read them from shared memory
         assert len(re.findall(r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier", ptx)) == 2
-        if kind == "dense":
+        if kind == "dense" and not cfg.split_tail:  # (a cut tile's last part reads the others' dK and dV)
             assert "ld.global" not in ptx, "no per-thread global loads of LSE2/D left in a dense kernel"
     waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d)", ptx)
     if cfg.dk_after_dq:  # dQ done with dK in flight (and, outside the lean plan, S^T ready with dP^T in flight)
-        lean = kind == "bias" and cfg.head_dim + cfg.tile_m > 128
+        lean = "bias" in kind and cfg.head_dim + cfg.tile_m > 128
         assert waits.count("1") >= (1 if lean else 2), waits
     if cfg.early_dv:  # S^T ready with dP^T in flight, then dP^T ready with dV in flight
         assert waits.count("1") >= 2, waits
@@ -169,8 +174,10 @@ def test_option_compiles_without_spills(name, D, options, kind):
         assert "ld.acquire.gpu.global.b32" in ptx and "red.release.gpu.global.add.s32" in ptx
     if cfg.dq_split_rows:
         assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx  # dQ: N = head_dim = 64
-    # persistent CTAs claim tiles with one relaxed atomic per tile and stage dK/dV away from K and V
-    assert ("atom.global.add.u32" in ptx) == cfg.persistent
+    # persistent CTAs claim tiles with one relaxed atomic per tile and stage dK/dV away from K and V; the parts of
+    # a cut tile count themselves in with one, between fences that order their published sums
+    assert ("atom.global.add.u32" in ptx) == (cfg.persistent or cfg.split_tail)
+    assert ("fence.acq_rel.gpu" in ptx) == cfg.split_tail
     # the Q/dO waits, the consumers' and the producer's, try once without a suspend hint first only with the option
     assert ("mbarrier.try_wait.parity.acquire" in ptx) == cfg.try_wait_first
     if cfg.try_wait_first:

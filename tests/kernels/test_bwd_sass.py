@@ -82,3 +82,25 @@ def test_anchored_wait_forms_p_beside_the_dp_gemm():
     anchored = _dp_wait_positions(128, "mask", anchored_wait=True)
     assert all(before == 0 for before, _ in free), free  # why the option exists
     assert all(1 <= before < total // 2 for before, total in anchored), anchored
+
+
+@pytest.mark.parametrize("D", [128, 64])
+def test_whole_tiles_of_a_cut_last_wave_run_the_loops_of_a_kernel_without_a_tail(D):
+    """`BwdConfig.whole_tiles_only` (the first of the two kernels of a cut last wave) only guards the CTAs of the cut
+    tiles: its step loops are the default kernel's, instruction for instruction. (One kernel that also ran the parts
+    decoded its tile from a 1-D index and bounded its steps at run time: its whole tiles were 2-4% slower.)"""
+    import dataclasses
+
+    from bwd_option_report import _mods, compile_ptx, key_for
+
+    from flexlab.kernels.bwd_launch import config_for
+    from flexlab.viz.compile_report import report_from_ptx
+    g, block_sparse, det = _mods("dense")
+    cfg = config_for(D, False, None, False, None)
+    bodies = []
+    for c in (cfg, dataclasses.replace(cfg, whole_tiles_only=True)):
+        rep = report_from_ptx(compile_ptx(key_for(c, g, block_sparse, det), g))
+        if rep.missing:
+            pytest.skip(f"needs {rep.missing}")
+        bodies.append([[ins.split()[0] for ins in body] for body in rep.gemm_loop_bodies])
+    assert bodies[0] and bodies[0] == bodies[1]
