@@ -268,7 +268,8 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
                     aux_scalars, aux_grads, mdQsem, mRank, mTileOrder, tile_counter, split_tail, sKV_layout,
                     sQ_layout, sdS_layout,
                     sdQ_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, Storage).launch(
-            grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+            grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
+            use_pdl=self.cfg.split_tail)  # (the parts may start while the whole tiles' last wave runs)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -282,6 +283,10 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
                sdQ_layout: cute.Layout, tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma,
                tiled_mma_dq: cute.TiledMma, Storage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if cutlass.const_expr(self.cfg.whole_tiles_only):
+            # the parts' kernel (launched behind this one with programmatic dependent launch) may start once every
+            # CTA here has: its CTAs then take the SMs this kernel's last wave frees
+            cute.arch.griddepcontrol_launch_dependents()
         bits = None  # `mask_bits`: partial-block masks stored as bits, passed after the four block lists
         if cutlass.const_expr(self.cfg.mask_bits):
             bits = sparse[4]
@@ -365,6 +370,10 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
                 self.run_roles(*roles)
         else:
             self.run_roles(*roles)
+        if cutlass.const_expr(self.cfg.split_tail):
+            # no CTA of the parts ends before the whole tiles' kernel has: work queued after this kernel (the dQ
+            # postprocess) then finds every tile's dQ partials added, however the stream orders a dependent launch
+            cute.arch.griddepcontrol_wait()
 
     @cute.jit
     def run_roles(self, mQ, mK, mV, mdO, mdK, mdV, mdQ, mLSE2, mDpsum, sQ, sK, sV, sdO, sdS, storage, sKV_layout,

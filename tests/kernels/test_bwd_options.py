@@ -178,6 +178,10 @@ def test_option_compiles_without_spills(name, D, options, kind):
     # a cut tile count themselves in with one, between fences that order their published sums
     assert ("atom.global.add.u32" in ptx) == (cfg.persistent or cfg.split_tail)
     assert ("fence.acq_rel.gpu" in ptx) == cfg.split_tail
+    # a cut last wave's two kernels: the whole tiles' lets the parts' start early (programmatic dependent launch), and
+    # the parts' CTAs end only after it has
+    assert ("griddepcontrol.launch_dependents" in ptx) == cfg.whole_tiles_only
+    assert ("griddepcontrol.wait" in ptx) == cfg.split_tail
     # the Q/dO waits, the consumers' and the producer's, try once without a suspend hint first only with the option
     assert ("mbarrier.try_wait.parity.acquire" in ptx) == cfg.try_wait_first
     if cfg.try_wait_first:
