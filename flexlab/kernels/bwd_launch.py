@@ -581,9 +581,10 @@ def _build_plan(q, k, entry, cfg: BwdConfig, block_mask, block_size, determinist
                                                          has_captured_grads(g, entry.grad_slots)):
         cfg = replace(cfg, persistent_ctas=_sm_count(dev))
     tail = None
-    if dev.type == "cuda" and cfg.split_last_wave and walk is None and not cfg.persistent and not deterministic:
+    workers = _cut_workers(dev)
+    if workers and cfg.split_last_wave and walk is None and not cfg.persistent and not deterministic:
         # dense tiles all walk the same steps: cut the last wave where that pays (`bwd_config.split_parts`)
-        num_tiles, workers = B * Hkv * -(-Skv // cfg.tile_n), _sm_count(dev)
+        num_tiles = B * Hkv * -(-Skv // cfg.tile_n)
         parts = bwd_config.split_parts(num_tiles, workers, int(mean_steps()))
         if parts > 1:
             cut = num_tiles % workers
@@ -597,6 +598,11 @@ def _build_plan(q, k, entry, cfg: BwdConfig, block_mask, block_size, determinist
     sparse = None if walk is None else walk.tensors if bits is None else walk.tensors + (bits.words,)
     return _Plan(kernels, cfg, sq_pad, sparse, rank, tile_order, tail,
                  (keyed_cfg, g, entry, *(block_mask or ()), walk, bits))
+
+
+def _cut_workers(dev: torch.device) -> int:
+    """CTAs of one-tile-per-CTA backward kernels that run at once on `dev` (one per SM), or 0 where no wave is cut."""
+    return _sm_count(dev) if dev.type == "cuda" else 0
 
 
 def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, block_size, scale: float,

@@ -210,6 +210,8 @@ def _recording_compiles(monkeypatch, build: bool, signatures=None):
 
     def compiled(key, make):
         kind = kinds[type(key)]
+        if kind == "main" and key.config.split_tail:  # (the second kernel of a cut last wave)
+            kind = "parts"
         if kind not in recorders:
             fn = make() if build else None
             recorders[kind] = _Recorder(kind, fn, signatures[-1] if build else None)
@@ -282,6 +284,32 @@ def test_backward_passes_torch_tensors_in_the_compiled_layouts(case, signatures,
     assert all(a is b for a, b in zip(main["aux_tensors"], kernel_aux))
     assert [t.dtype for t in main["aux_grads"]] == [torch.int64 if deterministic else torch.float32] * len(grads)
     assert [tuple(t.shape) for t in grads] == [tuple(p.aux[s].shape) for s in p.entry.grad_slots]
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="needs ptxas (CUDA toolkit) on PATH")
+def test_a_cut_last_wave_passes_both_kernels_their_compiled_layouts(signatures, monkeypatch):
+    """A dense grid whose last wave is cut: the whole tiles' kernel gets the tile count it stops at, the parts'
+    kernel the same tensors plus the cut's shape and workspace (zeroed counters, one fp32 dK and dV tile per part),
+    each as TVM-FFI compiled it; told the GPU has 5 SMs, 2 x 2 x 3 KV tiles leave 2 to cut."""
+    from flexlab.kernels import bwd_config
+    p = _problem(64)
+    monkeypatch.setattr(bwd_launch, "_cut_workers", lambda dev: 5)
+    monkeypatch.setattr(bwd_config, "split_parts", lambda tiles, workers, steps: 3)
+    monkeypatch.setattr(bwd_launch, "split_tail_buffers",  # (per-stream buffers need CUDA)
+                        lambda dev, counters, floats: (torch.zeros(counters, dtype=torch.int32),
+                                                       torch.empty(floats, dtype=torch.float32)))
+    rec = _recording_compiles(monkeypatch, True, signatures)
+    dq, dk, dv, _ = _backward(p, False)
+    assert set(rec) == {"pre", "main", "parts", "post"}
+    main = check_call(rec["main"].params, rec["main"].calls[0])
+    parts = check_call(rec["parts"].params, rec["parts"].calls[0])
+    assert main["split_tail"] == (10,)
+    whole, n, arrivals, partials = parts["split_tail"]
+    assert (whole, n) == (10, 3) and arrivals.dtype == torch.int32 and not arrivals.any()
+    assert arrivals.numel() == 2 and partials.numel() == 2 * 3 * 2 * 128 * 64  # 2 tiles x 3 parts x (dK, dV)
+    for name in ("mQ", "mK", "mV", "mdO", "mLSE2", "mDpsum", "mdQaccum", "mdK", "mdV"):
+        assert parts[name] is main[name], name
+    assert parts["sparse"] is None and parts["mdQsem"] is None
 
 
 def test_a_warm_backward_reads_nothing_back_from_the_device(monkeypatch):
