@@ -52,6 +52,14 @@ def _force_persistent(ctas: int):
     bwd_launch._config = forced
 
 
+def _force_cut(workers: int, parts: int):
+    """Dense grids cut their last wave as if `workers` CTAs ran at once, each cut tile into `parts` parts (more parts
+    than a tile has steps leaves some empty: they publish zeros)."""
+    from flexlab.kernels import bwd_config, bwd_launch
+    bwd_launch._cut_workers = lambda dev: workers
+    bwd_config.split_parts = lambda tiles, w, steps: parts if tiles % w else 1
+
+
 def main(argv=None) -> int:
     import argparse
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -67,7 +75,12 @@ def main(argv=None) -> int:
     ap.add_argument("--persistent-ctas", type=int, default=0,
                     help="run every non-deterministic backward as this many persistent CTAs (small: each loops over "
                          "several KV tiles, which the default's one CTA per SM never does at these lengths)")
+    ap.add_argument("--cut-wave", default="", metavar="WORKERS,PARTS",
+                    help="cut every dense grid's last wave as if WORKERS CTAs ran at once, into PARTS parts per tile "
+                         "(the whole tiles' kernel, then the parts' kernel)")
     args = ap.parse_args(argv)
+    if args.cut_wave:
+        _force_cut(*(int(x) for x in args.cut_wave.split(",")))
     if args.persistent_ctas:
         _force_persistent(args.persistent_ctas)
     if args.config != "default":
