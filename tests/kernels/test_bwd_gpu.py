@@ -153,7 +153,7 @@ def test_persistent_ctas_match_one_tile_per_cta(D, sparse, monkeypatch):
 @pytest.mark.parametrize("D,score", [(128, None), (64, None), (256, None), (128, "bias")])
 def test_split_tail_matches_whole_tiles(D, score, parts, monkeypatch):
     """The cut last wave (`BwdConfig.whole_tiles_only`, then `split_tail`): with the launcher told the GPU has 5 SMs,
-    2 x 2 x 9 KV tiles leave 1 for a last wave, cut into `parts` CTAs of a second kernel that walk shares of its GQA
+    2 x 2 x 9 KV tiles leave 1 for a last wave (2 x 2 x 18 at D=256 leave 2), cut into `parts` CTAs of a second kernel that walk shares of its GQA
     group's query steps; the last part to finish adds the others' dK and dV. Against whole tiles (the same sums in
     another order) and float64; ragged lengths, GQA, and a learnable relative bias (its gradient's atomics from every
     part)."""
@@ -171,7 +171,8 @@ def test_split_tail_matches_whole_tiles(D, score, parts, monkeypatch):
     bwd_launch._PLANS.clear()  # (plans are cached per signature, not per SM count or cut)
     split = _backward(q, k, v, score_mod, None, trainable, dout, True)
     plan = next(reversed(bwd_launch._PLANS.values()))
-    assert plan.tail is not None and plan.tail[:2] == (35, parts), "the launcher did not cut the last wave"
+    tiles = 2 * 2 * -(-Skv // plan.cfg.tile_n)  # (9 tiles of 128 keys per head; 18 of 64 at D=256)
+    assert plan.tail is not None and plan.tail[:3] == (tiles - tiles % 5, parts, tiles % 5), "no cut last wave"
     monkeypatch.setattr(bwd_config, "split_parts", lambda tiles, workers, steps: 1)
     bwd_launch._PLANS.clear()
     whole = _backward(q, k, v, score_mod, None, trainable, dout, True)
