@@ -153,10 +153,10 @@ def test_persistent_ctas_match_one_tile_per_cta(D, sparse, monkeypatch):
 @pytest.mark.parametrize("D,score", [(128, None), (64, None), (256, None), (128, "bias")])
 def test_split_tail_matches_whole_tiles(D, score, parts, monkeypatch):
     """The cut last wave (`BwdConfig.whole_tiles_only`, then `split_tail`): with the launcher told the GPU has 5 SMs,
-    2 x 2 x 9 KV tiles leave 1 for a last wave (2 x 2 x 18 at D=256 leave 2), cut into `parts` CTAs of a second kernel that walk shares of its GQA
-    group's query steps; the last part to finish adds the others' dK and dV. Against whole tiles (the same sums in
-    another order) and float64; ragged lengths, GQA, and a learnable relative bias (its gradient's atomics from every
-    part)."""
+    2 x 2 x 9 KV tiles leave 1 for a last wave (2 x 2 x 18 at D=256 leave 2), cut into `parts` CTAs of a second
+    kernel that walk shares of its GQA group's query steps; the last part to finish adds the others' dK and dV.
+    Against whole tiles (the same sums in another order) and float64; ragged lengths, GQA, and a learnable relative
+    bias (its gradient's atomics from every part)."""
     from flexlab.kernels import bwd_config, bwd_launch
     Sq, Skv = 1000, 1100
     bias = torch.randn(8, 65, device="cuda", requires_grad=True)
