@@ -174,7 +174,7 @@ def _compiled(mods: KernelMods, dtype: torch.dtype, cfg: FwdConfig, arch: str, s
 
 
 # Scheduling buffers kernels leave as they found them (counters back at 0), so launches that run one after another
-# share them: one per stream (and size). Kernels on two streams may overlap, so they never share one; under CUDA-graph
+# share them: one per stream (and kind). Kernels on two streams may overlap, so they never share one; under CUDA-graph
 # capture every launch gets its own, kept for the graph's life (replayed later, maybe beside eager launches).
 _STREAM_BUFFERS: dict[tuple, object] = {}
 _GRAPH_BUFFERS: list = []
@@ -204,7 +204,7 @@ def tile_counter(device: torch.device, stream: torch.cuda.Stream | None = None) 
 def scheduler_workspace(cfg: FwdConfig, device: torch.device):
     """What a kernel of `cfg` schedules its tiles with: the tile counter (`dynamic_tiles`), the split tail's
     (zeroed arrival counters, partial results) (`split_tail`, `kernels.split_tail`), else None. One per stream and
-    size; the kernel leaves the counters at 0 and overwrites every partial before reading it."""
+    kind; the kernel leaves the counters at 0 and overwrites every partial before reading it."""
     if cfg.dynamic_tiles:
         return tile_counter(device)
     if not cfg.split_tail:
@@ -214,11 +214,28 @@ def scheduler_workspace(cfg: FwdConfig, device: torch.device):
 
 def split_tail_buffers(device: torch.device, counters: int, floats: int) -> tuple:
     """(zeroed int32 arrival counters, fp32 partial results) of a split tail (`kernels.split_tail`), the forward's or
-    the backward's, one per stream and size: the kernels leave the counters at 0 and write every partial before
-    reading it."""
-    return _per_stream(device, ("split", counters, floats),
-                       lambda: (torch.zeros(counters, dtype=torch.int32, device=device),
-                                torch.empty(floats, dtype=torch.float32, device=device)))
+    the backward's: views of the size asked for into one pair per stream, grown to the largest size asked for, so
+    calls of many shapes (the backward's cut depends on the batch, the heads and the lengths) hold one workspace, not
+    one each. The kernels leave the counters at 0 and write every partial before reading it; a grown pair replaces
+    the old one, whose memory the caching allocator hands out again only behind the stream's earlier kernels."""
+    held = _per_stream(device, ("split",), lambda: _SplitWorkspace(device))
+    views = held.views.get((counters, floats))
+    if views is None:
+        if held.counters.numel() < counters or held.partials.numel() < floats:
+            held.counters = torch.zeros(max(counters, held.counters.numel()), dtype=torch.int32, device=device)
+            held.partials = torch.empty(max(floats, held.partials.numel()), dtype=torch.float32, device=device)
+            held.views.clear()
+        views = held.views[counters, floats] = (held.counters[:counters], held.partials[:floats])
+    return views
+
+
+class _SplitWorkspace:
+    """One stream's split-tail workspace (`split_tail_buffers`) and the views of it handed out so far, by size."""
+
+    def __init__(self, device: torch.device):
+        self.counters = torch.zeros(0, dtype=torch.int32, device=device)
+        self.partials = torch.empty(0, dtype=torch.float32, device=device)
+        self.views: dict[tuple, tuple] = {}
 
 
 # torch's own cheap accessor for the current stream's handle (what its compiled kernels use), where the build has it
