@@ -1,11 +1,13 @@
 """torch tensors in, the three backward kernels launched, (dq, dk, dv, captured-tensor grads) back.
 
-preprocess (D, LSE in base 2, dQ sums zeroed) -> main kernel (dK, dV, fp32 dQ partial sums, captured-tensor grads) -> postprocess
-(dQ = scale * sum). Each kernel is compiled once per configuration against symbolic shapes; the key names everything
-that is baked into the machine code (generated mods by hash and by source, tiles, dtype, which optional inputs exist,
-arch, cutlass version, DSL settings, a fingerprint of the backward's kernel sources), never a runtime value. The
-compiled kernels live in the same memory + disk cache as the forward's (`runtime.disk_cache.KernelCache`, the
-directory of `runtime.disk_cache.cache_dir()`), so a new process loads them instead of compiling again.
+preprocess (D, LSE in base 2, dQ sums zeroed) -> main kernel (dK, dV, fp32 dQ partial sums, captured-tensor grads)
+-> postprocess (dQ = scale * sum); where a dense grid's last wave is cut, the parts' kernel (`BwdConfig.split_tail`)
+runs between the main kernel and the postprocess. Each kernel is compiled once per configuration against symbolic
+shapes; the key names everything that is baked into the machine code (generated mods by hash and by source, tiles,
+dtype, which optional inputs exist, arch, cutlass version, DSL settings, a fingerprint of the backward's kernel
+sources), never a runtime value. The compiled kernels live in the same memory + disk cache as the forward's
+(`runtime.disk_cache.KernelCache`, the directory of `runtime.disk_cache.cache_dir()`), so a new process loads them
+instead of compiling again.
 
 The kernels are compiled with TVM-FFI (`--enable-tvm-ffi`, torch's current stream as the environment stream), so a
 call hands torch tensors straight to the compiled function, which reads their DLPack headers in C and checks them
