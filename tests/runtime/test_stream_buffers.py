@@ -11,6 +11,14 @@ from flexlab.kernels.config import FwdConfig
 from flexlab.runtime import launch
 
 
+def _one_stream(monkeypatch):
+    """Stream 11, no buffers yet, not capturing."""
+    monkeypatch.setattr(launch, "_current_raw_stream", lambda index: 11)
+    monkeypatch.setattr(launch, "_STREAM_BUFFERS", {})
+    monkeypatch.setattr(launch, "_GRAPH_BUFFERS", [])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+
+
 def test_buffers_are_shared_per_stream_and_kind(monkeypatch):
     stream = {"handle": 11}
     monkeypatch.setattr(launch, "_current_raw_stream", lambda index: stream["handle"])
@@ -32,10 +40,7 @@ def test_buffers_are_shared_per_stream_and_kind(monkeypatch):
 
 
 def test_capture_gets_its_own_buffers(monkeypatch):
-    monkeypatch.setattr(launch, "_current_raw_stream", lambda index: 11)
-    monkeypatch.setattr(launch, "_STREAM_BUFFERS", {})
-    monkeypatch.setattr(launch, "_GRAPH_BUFFERS", [])
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    _one_stream(monkeypatch)
     cpu = torch.device("cpu")
     eager = launch.tile_counter(cpu)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
@@ -47,9 +52,7 @@ def test_capture_gets_its_own_buffers(monkeypatch):
 def test_one_split_workspace_per_stream_grows_for_every_size(monkeypatch):
     """The backward's cut asks for a size per (batch, heads, length): training over many lengths must hold one
     workspace per stream, as large as the largest asked for, not one per size."""
-    monkeypatch.setattr(launch, "_current_raw_stream", lambda index: 11)
-    monkeypatch.setattr(launch, "_STREAM_BUFFERS", {})
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    _one_stream(monkeypatch)
     cpu = torch.device("cpu")
     counters, partials = launch.split_tail_buffers(cpu, 4, 100)
     assert (counters.numel(), partials.numel()) == (4, 100) and not counters.any()
@@ -68,10 +71,7 @@ def test_one_split_workspace_per_stream_grows_for_every_size(monkeypatch):
 
 
 def test_capture_gets_its_own_split_workspace(monkeypatch):
-    monkeypatch.setattr(launch, "_current_raw_stream", lambda index: 11)
-    monkeypatch.setattr(launch, "_STREAM_BUFFERS", {})
-    monkeypatch.setattr(launch, "_GRAPH_BUFFERS", [])
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    _one_stream(monkeypatch)
     cpu = torch.device("cpu")
     eager = launch.split_tail_buffers(cpu, 4, 100)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
