@@ -497,8 +497,8 @@ def backward_kernels(g, grad_slots, dtype: torch.dtype, head_dim: int, q_block: 
         cfg = replace(cfg, persistent_ctas=persistent_ctas)
     kernel_aux = tuple(g.kernel_aux_tensors()) if g is not None else ()
     if cut_last_wave:
-        _kernels(g, grad_slots, kernel_aux, dtype, replace(cfg, split_tail=True), False, has_dlse, deterministic, arch)
-        cfg = replace(cfg, whole_tiles_only=True)
+        cfg, parts_cfg = cut_configs(cfg)
+        _kernels(g, grad_slots, kernel_aux, dtype, parts_cfg, False, has_dlse, deterministic, arch)
     return _kernels(g, grad_slots, kernel_aux, dtype, cfg, q_block is not None, has_dlse, deterministic, arch)
 
 
@@ -590,16 +590,21 @@ def _build_plan(q, k, entry, cfg: BwdConfig, block_mask, block_size, determinist
         parts = bwd_config.split_parts(num_tiles, workers, int(mean_steps()))
         if parts > 1:
             cut = num_tiles % workers
-            parts_kernel = _kernels(g, entry.grad_slots, kernel_aux, q.dtype, replace(cfg, split_tail=True), False,
-                                    has_dlse, deterministic, arch).main
+            cfg, parts_cfg = cut_configs(cfg)
+            parts_kernel = _kernels(g, entry.grad_slots, kernel_aux, q.dtype, parts_cfg, False, has_dlse,
+                                    deterministic, arch).main
             tail = (num_tiles - cut, parts, cut, cut * parts * 2 * cfg.tile_n * cfg.head_dim, parts_kernel)
-            cfg = replace(cfg, whole_tiles_only=True)
     kernels = _kernels(g, entry.grad_slots, kernel_aux, q.dtype, cfg, masks is not None, has_dlse, deterministic,
                        arch)
     rank = walk.ranks(sq_pad // cfg.tile_m, turns) if deterministic and walk is not None else None
     sparse = None if walk is None else walk.tensors if bits is None else walk.tensors + (bits.words,)
     return _Plan(kernels, cfg, sq_pad, sparse, rank, tile_order, tail,
                  (keyed_cfg, g, entry, *(block_mask or ()), walk, bits))
+
+
+def cut_configs(cfg: BwdConfig) -> tuple[BwdConfig, BwdConfig]:
+    """A cut last wave's two kernels: (the whole tiles', the parts')."""
+    return replace(cfg, whole_tiles_only=True), replace(cfg, split_tail=True)
 
 
 def _cut_workers(dev: torch.device) -> int:
