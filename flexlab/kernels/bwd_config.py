@@ -166,10 +166,26 @@ class BwdConfig:
     whole_tiles_only: bool = False
     # The launcher may cut the last wave (`split_parts`); off for the sweep's candidate without it.
     split_last_wave: bool = True
+    # The backward's kernels follow one another with programmatic dependent launch: each one's CTAs start (shared
+    # memory, barriers, TMA descriptors) while the kernel before it drains its last wave, and wait
+    # (`griddepcontrol.wait`) before touching what that kernel writes. The preprocess waits for whatever ran before
+    # it; the main kernel for the preprocess's rows and zeroed dQ sums; the postprocess for every dQ partial. Each
+    # lets the next one in once it has passed its own wait, so a kernel never starts before the ones two back have
+    # ended. Off for the sweep's candidate without it.
+    chained_launch: bool = True
 
     @property
     def persistent(self) -> bool:
         return self.persistent_ctas > 0
+
+    @property
+    def lets_next_in_early(self) -> bool:
+        """Chained, whether the main kernel lets the next kernel launch once all its CTAs have passed their wait
+        (the postprocess's CTAs then take the SMs of the last wave as they free up), not as its last CTAs end.
+        Persistent CTAs (D=64 sliding window S16k: 5.6% faster backward than when it is not) and the whole
+        tiles of a cut last wave (whose parts must start early) do; a grid of one CTA per tile does not (D=64 causal
+        S16k: 1.6% slower with it; BENCHMARKS.md)."""
+        return self.chained_launch and (self.persistent or self.whole_tiles_only)
 
     @property
     def persistent_fits(self) -> bool:
@@ -429,6 +445,7 @@ def candidate_bwd_configs(head_dim: int, deterministic: bool = False, mod_grads:
         cands["one_tile_per_cta"] = replace(base, persistent_short_tiles=False)
     if not deterministic and q_block is None:  # every tile of the last wave whole (`split_parts`)
         cands["whole_last_wave"] = replace(base, split_last_wave=False)
+    cands["unchained"] = replace(base, chained_launch=False)  # each kernel launched after the one before has ended
     if deterministic:  # `neither` is then the other order with global stats: not a new question
         del cands["neither"]
     # (outside deterministic mode for block-sparse rows only: the launcher drops it without a block mask)

@@ -94,6 +94,7 @@ class BwdPreKey(_BwdStamp):
     head_dim: int
     has_dlse: bool
     arch: str = "sm_90a"
+    chained: bool = True  # `BwdConfig.chained_launch`
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,7 @@ class BwdPostKey(_BwdStamp):
     head_dim: int
     arch: str = "sm_90a"
     dq_layout: tuple = ()  # `BwdConfig.dq_layout`; () = that of the default configuration at this head dim
+    chained: bool = True  # `BwdConfig.chained_launch`
 
     def __post_init__(self):  # one key per kernel: () is stored as the layout it stands for
         object.__setattr__(self, "dq_layout", _dq_layout(self.head_dim, self.dq_layout))
@@ -135,14 +137,15 @@ def _compiled(key, build):
     return bwd_kernel_cache().get(key, build)
 
 
-def preprocess_kernel(dtype: str, head_dim: int, has_dlse: bool, arch: str = "sm_90a"):
-    return _compiled(BwdPreKey(dtype, head_dim, has_dlse, arch),
-                     lambda: compile_preprocess(dtype, head_dim, has_dlse, arch))
+def preprocess_kernel(dtype: str, head_dim: int, has_dlse: bool, arch: str = "sm_90a", chained: bool = True):
+    return _compiled(BwdPreKey(dtype, head_dim, has_dlse, arch, chained),
+                     lambda: compile_preprocess(dtype, head_dim, has_dlse, arch, chained=chained))
 
 
-def postprocess_kernel(dtype: str, head_dim: int, arch: str = "sm_90a", dq_layout: tuple = ()):
-    key = BwdPostKey(dtype, head_dim, arch, tuple(dq_layout))
-    return _compiled(key, lambda: compile_postprocess(dtype, head_dim, arch, dq_layout=key.dq_layout))
+def postprocess_kernel(dtype: str, head_dim: int, arch: str = "sm_90a", dq_layout: tuple = (), chained: bool = True):
+    key = BwdPostKey(dtype, head_dim, arch, tuple(dq_layout), chained)
+    return _compiled(key, lambda: compile_postprocess(dtype, head_dim, arch, dq_layout=key.dq_layout,
+                                                      chained=chained))
 
 
 def main_kernel(key: BwdKey, generated=None):
@@ -165,22 +168,24 @@ def _options(arch: str, extra: str) -> str:
     return f"--gpu-arch {arch} --enable-tvm-ffi{extra}"
 
 
-def compile_preprocess(dtype: str, head_dim: int, has_dlse: bool, arch: str = "sm_90a", options: str = ""):
+def compile_preprocess(dtype: str, head_dim: int, has_dlse: bool, arch: str = "sm_90a", options: str = "",
+                       chained: bool = True):
     from ..runtime.compile import dsl_compile
     from .bwd_preprocess import BwdPreprocess, fake_arguments
     require_tvm_ffi()
     dt = _cutlass_dtype(dtype)
-    return dsl_compile(BwdPreprocess(dt, head_dim, has_dlse), *fake_arguments(dt, head_dim, has_dlse),
-                        options=_options(arch, options))
+    return dsl_compile(BwdPreprocess(dt, head_dim, has_dlse, chained), *fake_arguments(dt, head_dim, has_dlse),
+                       options=_options(arch, options))
 
 
-def compile_postprocess(dtype: str, head_dim: int, arch: str = "sm_90a", options: str = "", dq_layout: tuple = ()):
+def compile_postprocess(dtype: str, head_dim: int, arch: str = "sm_90a", options: str = "", dq_layout: tuple = (),
+                        chained: bool = True):
     from ..runtime.compile import dsl_compile
     from .bwd_postprocess import BwdPostprocess, fake_arguments
     require_tvm_ffi()
     dt = _cutlass_dtype(dtype)
-    return dsl_compile(BwdPostprocess(dt, head_dim, _dq_layout(head_dim, dq_layout)), *fake_arguments(dt, head_dim),
-                       options=_options(arch, options))
+    return dsl_compile(BwdPostprocess(dt, head_dim, _dq_layout(head_dim, dq_layout), chained),
+                       *fake_arguments(dt, head_dim), options=_options(arch, options))
 
 
 def compile_main(key: BwdKey, module=None, options: str = ""):
@@ -475,8 +480,9 @@ def _kernels(g, grad_slots, kernel_aux, dtype: torch.dtype, cfg: BwdConfig, spar
             "deterministic=True with captured tensors that require grad needs generated code that accumulates through "
             "flexlab.kernels.bwd_aux_grad.add_aux_grad (this code generator emits plain fp32 atomics); use "
             "backend='reference' or turn determinism off")
-    hit = Kernels(preprocess_kernel(name, D, has_dlse, arch), main_kernel(key, g),
-                  postprocess_kernel(name, D, arch, cfg.dq_layout), torch.int64 if fixed_point else torch.float32)
+    hit = Kernels(preprocess_kernel(name, D, has_dlse, arch, cfg.chained_launch), main_kernel(key, g),
+                  postprocess_kernel(name, D, arch, cfg.dq_layout, cfg.chained_launch),
+                  torch.int64 if fixed_point else torch.float32)
     _KERNELS[fast] = hit
     return hit
 

@@ -5,6 +5,7 @@ until all of them are done); the softmax scale is applied here once instead of o
 each query tile's partials in the consumers' register order (`bwd_dq.fragment_order`), so one CTA per query tile
 runs the main kernel's consumer threads again: thread t of warpgroup w reads what it wrote there (16-byte loads),
 scales and converts it, and puts it in place through shared memory, from where the rows leave with 16-byte stores.
+Chained (`BwdConfig.chained_launch`), its CTAs start while the main kernel drains and wait for it before reading.
 """
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ CHUNK = 8  # 16-bit elements per 16-byte store
 
 class BwdPostprocess:
     """Compile-time configuration: output dtype, head dim and the main kernel's dQ geometry (`BwdConfig.dq_layout`:
-    query rows per tile, consumer warpgroups, whether they split dQ by rows or by columns, whether dQ is transposed)."""
+    query rows per tile, consumer warpgroups, whether they split dQ by rows or by columns, whether dQ is transposed),
+    and whether it is launched chained to the main kernel (`BwdConfig.chained_launch`)."""
 
-    def __init__(self, dtype, head_dim: int, dq_layout: tuple):
-        self.dtype, self.head_dim = dtype, head_dim
+    def __init__(self, dtype, head_dim: int, dq_layout: tuple, chained: bool = True):
+        self.dtype, self.head_dim, self.chained = dtype, head_dim, chained
         self.tile_m, self.num_wg, self.split_rows, self.swap_ab = dq_layout
         self.num_threads = 128 * self.num_wg
         if head_dim % CHUNK or (self.tile_m * head_dim // CHUNK) % self.num_threads:
@@ -41,10 +43,12 @@ class BwdPostprocess:
         grid = [cute.ceil_div(mdQ.shape[2], self.tile_m), mdQ.shape[1], mdQ.shape[0]]
         smem = self.tile_m * self.pitch * self.dtype.width // 8
         self.kernel(mdQaccum, mdQ, scale, tiled_mma).launch(grid=grid, block=[self.num_threads, 1, 1], smem=smem,
-                                                            stream=stream)
+                                                            stream=stream, use_pdl=self.chained)
 
     @cute.kernel
     def kernel(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, scale: Float32, tiled_mma: cute.TiledMma):
+        if cutlass.const_expr(self.chained):
+            cute.arch.griddepcontrol_wait()  # every dQ partial of the main kernel (and of the cut tiles' parts)
         tidx = cute.arch.thread_idx()[0]
         m_block, head, batch = cute.arch.block_idx()
         tile_m, hd = self.tile_m, self.head_dim

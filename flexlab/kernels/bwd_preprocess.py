@@ -7,6 +7,10 @@ tile so the main kernel reads these buffers without bounds checks; a padded or f
 which makes every P of that row exactly 0 (so it contributes no gradient), and D = 0. Zeroing the dQ sums here, row
 by row over the same padded rows, saves the step a separate fill kernel and its launch.
 
+Chained (`BwdConfig.chained_launch`): launched with programmatic dependent launch, so its CTAs may start while the
+kernel before it on the stream (which may have written O or dO) drains; each waits for it before touching memory,
+then lets the main kernel's launch begin.
+
 One row is handled by `THREADS_PER_ROW` consecutive lanes, each loading D / THREADS_PER_ROW contiguous elements of O
 and dO (16-byte vector loads) and reducing with butterfly shuffles.
 """
@@ -27,12 +31,13 @@ ZERO_VECTOR = 4  # fp32 zeros per store (16 bytes)
 
 
 class BwdPreprocess:
-    """Compile-time configuration: element type, head dim, and whether a gradient flows into the LSE output."""
+    """Compile-time configuration: element type, head dim, whether a gradient flows into the LSE output, and whether
+    the backward's kernels are chained (`BwdConfig.chained_launch`)."""
 
-    def __init__(self, dtype, head_dim: int, has_dlse: bool):
+    def __init__(self, dtype, head_dim: int, has_dlse: bool, chained: bool = True):
         if head_dim % (THREADS_PER_ROW * 8):
             raise ValueError(f"head_dim={head_dim} must be a multiple of {THREADS_PER_ROW * 8}")
-        self.dtype, self.head_dim, self.has_dlse = dtype, head_dim, has_dlse
+        self.dtype, self.head_dim, self.has_dlse, self.chained = dtype, head_dim, has_dlse, chained
         self.chunk = head_dim // THREADS_PER_ROW
 
     @cute.jit
@@ -43,11 +48,14 @@ class BwdPreprocess:
         elements)."""
         grid = [cute.ceil_div(mDpsum.shape[2], ROWS_PER_CTA), mO.shape[1], mO.shape[0]]
         self.kernel(mO, mdO, mLSE, mdLSE, mDpsum, mLSE2, mdQaccum).launch(grid=grid, block=[NUM_THREADS, 1, 1],
-                                                                          stream=stream)
+                                                                          stream=stream, use_pdl=self.chained)
 
     @cute.kernel
     def kernel(self, mO: cute.Tensor, mdO: cute.Tensor, mLSE: cute.Tensor, mdLSE, mDpsum: cute.Tensor,
                mLSE2: cute.Tensor, mdQaccum: cute.Tensor):
+        if cutlass.const_expr(self.chained):
+            cute.arch.griddepcontrol_wait()  # (the kernel before may write O or dO, or use dq_accum's memory)
+            cute.arch.griddepcontrol_launch_dependents()
         tidx = cute.arch.thread_idx()[0]
         row_block, head, batch = cute.arch.block_idx()
         row = row_block * ROWS_PER_CTA + tidx // THREADS_PER_ROW

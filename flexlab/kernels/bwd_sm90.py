@@ -269,7 +269,7 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
                     sQ_layout, sdS_layout,
                     sdQ_layout, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, Storage).launch(
             grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
-            use_pdl=self.cfg.split_tail)  # (the parts may start while the whole tiles' last wave runs)
+            use_pdl=self.cfg.split_tail or self.cfg.chained_launch)  # (the parts start while the last wave runs)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -283,7 +283,7 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
                sdQ_layout: cute.Layout, tiled_mma_sdp: cute.TiledMma, tiled_mma_dkv: cute.TiledMma,
                tiled_mma_dq: cute.TiledMma, Storage: cutlass.Constexpr):
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        if cutlass.const_expr(self.cfg.whole_tiles_only):
+        if cutlass.const_expr(self.cfg.whole_tiles_only and not self.cfg.chained_launch):
             # the parts' kernel (launched behind this one with programmatic dependent launch) may start once every
             # CTA here has: its CTAs then take the SMs this kernel's last wave frees
             cute.arch.griddepcontrol_launch_dependents()
@@ -359,6 +359,17 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
             # (the piece is rebuilt where it is used: kept live through the steps it cost the D=128 loop ~3%)
             tail = (shape, (split_tail[2], split_tail[3]), storage.split_flag.get_tensor(cute.make_layout(4)))
         pipeline.pipeline_init_wait()
+        if cutlass.const_expr(self.cfg.chained_launch and not self.cfg.split_tail):
+            # Chained: this CTA may have started while the preprocess drained. Wait for its rows (LSE2, D) and
+            # zeroed dQ sums; then (`lets_next_in_early`) let the next kernel (the postprocess, or the parts of a
+            # cut last wave, which read the preprocess's rows without a wait of their own) begin its launch.
+            cute.arch.griddepcontrol_wait()
+            if cutlass.const_expr(self.cfg.lets_next_in_early):
+                cute.arch.griddepcontrol_launch_dependents()
+        if cutlass.const_expr(self.cfg.chained_launch and self.cfg.split_tail):
+            # the parts' kernel starts after every CTA of the whole tiles' kernel passed the wait above; the
+            # postprocess behind it waits for it to end
+            cute.arch.griddepcontrol_launch_dependents()
         roles = (mQ, mK, mV, mdO, mdK, mdV, mdQ, mLSE2, mDpsum, sQ, sK, sV, sdO, sdS, storage, sKV_layout, sdQ_layout,
                  tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv, tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,
                  pipe_kv, pipe_qdo, warp_idx, n_block, head_kv, batch, qhead_per_kvhead, num_m_blocks, sparse,

@@ -42,6 +42,18 @@ def test_preprocess_compiles(D, has_dlse):
     # the dQ sums are zeroed here with 16-byte stores of zero (no separate fill kernel)
     zero4 = ", ".join(["0f00000000"] * 4)
     assert re.search(r"st\.global\.v4\.b32\s+\[[^\]]+\],\s*\{" + zero4 + r"\}", ptx), "dQ sums not zeroed 16 B at a time"
+    # chained (`BwdConfig.chained_launch`): one wait for the kernel before, before any load or store, then the main
+    # kernel may launch
+    wait, first_access = ptx.find("griddepcontrol.wait"), re.search(r"\b(ld|st)\.global", ptx).start()
+    assert 0 <= wait < first_access and ptx.count("griddepcontrol.wait") == 1
+    assert ptx.count("griddepcontrol.launch_dependents") == 1
+
+
+def test_unchained_pre_and_postprocess_do_not_wait():
+    from flexlab.kernels.bwd_launch import compile_postprocess, compile_preprocess
+    for compiled in (compile_preprocess("bfloat16", 64, False, options=KEEP_PTX, chained=False),
+                     compile_postprocess("bfloat16", 64, options=KEEP_PTX, chained=False)):
+        assert "griddepcontrol" not in compiled.__ptx__
 
 
 @pytest.mark.parametrize("D", [64, 128, 256])
@@ -50,6 +62,9 @@ def test_postprocess_compiles(D):
     ptx, report = _assemble(compile_postprocess("float16", D, options=KEEP_PTX))
     _no_spills(report)
     assert "st.global.v4" in ptx and "cvt.rn.f16x2.f32" in ptx
+    # chained: it waits for the main kernel (every dQ partial) before its first read
+    wait, first_read = ptx.find("griddepcontrol.wait"), ptx.find("ld.global")
+    assert 0 <= wait < first_read and "griddepcontrol.launch_dependents" not in ptx
 
 
 def _main_key(D, block_sparse=False, g=None, deterministic=False):

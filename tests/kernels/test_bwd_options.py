@@ -139,6 +139,8 @@ CELLS = [  # (name, head dim, options, kernel flavour): each option in a few fla
     ("split_tail-dense-d64", 64, dict(split_tail=True), "dense"),
     ("split_tail-dense_bias", 128, dict(split_tail=True), "dense_bias"),
     ("whole_tiles_only-dense", 128, dict(whole_tiles_only=True), "dense"),
+    ("unchained_whole_tiles_only-dense", 128, dict(whole_tiles_only=True, chained_launch=False), "dense"),
+    ("unchained-mask", 64, dict(chained_launch=False), "mask"),
 ]
 
 
@@ -178,10 +180,12 @@ def test_option_compiles_without_spills(name, D, options, kind):
     # a cut tile count themselves in with one, between fences that order their published sums
     assert ("atom.global.add.u32" in ptx) == (cfg.persistent or cfg.split_tail)
     assert ("fence.acq_rel.gpu" in ptx) == cfg.split_tail
-    # a cut last wave's two kernels: the whole tiles' lets the parts' start early (programmatic dependent launch), and
-    # the parts' CTAs end only after it has
-    assert ("griddepcontrol.launch_dependents" in ptx) == cfg.whole_tiles_only
-    assert ("griddepcontrol.wait" in ptx) == cfg.split_tail
+    # programmatic dependent launch: chained, every kernel waits once for the one before (the parts of a cut last wave
+    # at their end, for the whole tiles' kernel), and persistent CTAs, the whole tiles and the parts let the next
+    # kernel in early; unchained, only a cut last wave's two kernels use it
+    early = cfg.lets_next_in_early or cfg.whole_tiles_only or (cfg.chained_launch and cfg.split_tail)
+    assert ptx.count("griddepcontrol.launch_dependents") == int(early)
+    assert ptx.count("griddepcontrol.wait") == int(cfg.chained_launch or cfg.split_tail)
     # the Q/dO waits, the consumers' and the producer's, try once without a suspend hint first only with the option
     assert ("mbarrier.try_wait.parity.acquire" in ptx) == cfg.try_wait_first
     if cfg.try_wait_first:

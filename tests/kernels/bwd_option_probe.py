@@ -1,0 +1,119 @@
+"""H200 probe of one backward option (a `BwdConfig` field; not a test): forward + backward per call with the field
+as the launcher sets it and flipped, in turns, on benchmark rows.
+
+    python tests/kernels/bwd_option_probe.py OUT.json --field chained_launch [--rounds 11] [--rows 0,1,5]
+
+(--rounds 0 compiles and compares only: run one process per row that way first to compile in parallel.)
+
+Each sample times 8 calls of the forward + backward with CUDA events, back to back as a training loop runs them
+(every kernel and every gap between kernels counted), and 8 calls of the backward alone. The variants take turns in
+a rotated order and the median over rounds is reported with the speed-up of the launcher's setting over the
+flipped one. Before timing, both variants' dQ, dK and dV are compared on the same inputs (rel-L2, NaN).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import replace
+
+import torch
+
+ROWS = [("sliding_window", 1, 16384, 128), ("document", 1, 16384, 128), ("sliding_window", 4, 4096, 128),
+        ("document", 4, 4096, 128), ("causal", 4, 4096, 128), ("causal", 1, 16384, 128), ("dense", 4, 4096, 128),
+        ("sliding_window", 1, 16384, 64), ("document", 1, 16384, 64), ("causal", 1, 16384, 64)]
+CALLS = 8
+
+
+def _timed(fn) -> float:
+    """Milliseconds per call of `fn` over CALLS calls, after one untimed call."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(CALLS):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / CALLS
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--field", required=True, help="a boolean BwdConfig field")
+    ap.add_argument("--rounds", type=int, default=11)
+    ap.add_argument("--rows", default=None, help="comma-separated indices into ROWS (default: all)")
+    args = ap.parse_args()
+    import flexlab
+    import flexlab.api as api
+    from flexlab.bench.cases import build_case
+    from flexlab.kernels import bwd_launch
+    from flexlab.testing import rel_l2
+
+    launcher = bwd_launch._config
+
+    def flipped(*a, **k):
+        cfg = launcher(*a, **k)
+        return replace(cfg, **{args.field: not getattr(cfg, args.field)})
+    variants = {"launcher": launcher, "flipped": flipped}
+    names = list(variants)
+
+    def use(name):
+        bwd_launch._config = variants[name]
+        bwd_launch._PLANS.clear()
+        api._WARM_TRAIN.clear()  # (the warm training path holds its plan)
+
+    results = {}
+    try:
+        rows = ROWS if args.rows is None else [ROWS[int(i)] for i in args.rows.split(",")]
+        for variant, B, S, D in rows:
+            row = f"{variant} B{B} S{S // 1024}k D{D}"
+            case = build_case(variant, B, 16, S, "cuda")
+            bm = flexlab.create_block_mask(case.mask_mod, None, None, S, S, device="cuda") if case.mask_mod else None
+            q, k, v = (torch.randn(B, 16, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                       for _ in range(3))
+            dout = torch.randn_like(q)
+
+            def forward():
+                return flexlab.flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm, backend="cute")
+
+            grads = {}
+            for name in names:
+                use(name)
+                grads[name] = torch.autograd.grad(forward(), (q, k, v), dout)
+            setting = getattr(launcher(D, False, False, None if bm is None else bm.BLOCK_SIZE[0]), args.field)
+            errors = {n: rel_l2(a, b) for n, a, b in zip(("dq", "dk", "dv"), grads["launcher"], grads["flipped"])}
+            nan = any(torch.isnan(t).any().item() for g in grads.values() for t in g)
+            del grads
+            if args.rounds == 0:  # (compile and compare only: warms the kernel cache for a timed run)
+                results[row] = {"launcher_setting": setting, "rel_l2_launcher_vs_flipped": errors, "nan": nan}
+                print(row, f"{args.field}={setting}", " ".join(f"{n} {e:.1e}" for n, e in errors.items()),
+                      "NaN" if nan else "", flush=True)
+                continue
+            times = {f"{n} {part}": [] for n in names for part in ("fwd+bwd", "bwd")}
+            for r in range(args.rounds):
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    use(name)
+                    # (autograd.grad: no .grad accumulation kernels between the calls)
+                    times[f"{name} fwd+bwd"].append(_timed(lambda: torch.autograd.grad(forward(), (q, k, v), dout)))
+                    out = forward()
+                    times[f"{name} bwd"].append(
+                        _timed(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)))
+            median = {n: statistics.median(t) for n, t in times.items()}
+            speedup = {part: median[f"flipped {part}"] / median[f"launcher {part}"] for part in ("fwd+bwd", "bwd")}
+            results[row] = {"launcher_setting": setting, "median_ms": median, "speedup_of_launcher": speedup,
+                            "rel_l2_launcher_vs_flipped": errors, "nan": nan, "rounds_ms": times}
+            print(row, f"{args.field}={setting}", " ".join(f"{n}={m:.4f}" for n, m in median.items()),
+                  " ".join(f"speedup {p} {x:.3f}" for p, x in speedup.items()),
+                  " ".join(f"{n} {e:.1e}" for n, e in errors.items()), "NaN" if nan else "", flush=True)
+            torch.cuda.empty_cache()
+    finally:
+        bwd_launch._config = launcher
+        with open(args.out, "w") as f:
+            json.dump({"field": args.field, "calls_per_sample": CALLS, "rounds": args.rounds, "rows": results}, f,
+                      indent=1)
+
+
+if __name__ == "__main__":
+    main()
