@@ -174,6 +174,11 @@ class FwdConfig:
     # last (`kernels.split_tail`), so the last round does not leave SMs idle (2048 tiles on 132 SMs: 16 rounds of
     # work 15.5). The launcher passes the workspace (`runtime.launch.scheduler_workspace`).
     split_tail: bool = False
+    # Launched with programmatic dependent launch: the CTAs may start (shared memory, barriers, TMA descriptors) while
+    # the kernel before on the stream drains its last wave, and wait (`griddepcontrol.wait`) before their first
+    # global access. Persistent kernels, whose CTAs are all resident from the start, then let the next kernel (the
+    # backward's preprocess, itself chained: `BwdConfig.chained_launch`) launch at once. Off: not yet measured.
+    chained_launch: bool = False
     # Debug only, never set by the public API: stages removed for timing (names in ABLATIONS; results are wrong).
     ablate: tuple[str, ...] = ()
 

@@ -181,7 +181,8 @@ class FlexFwdSm90:
         self.kernel(mQ_t, mK_t, mV_t, mO_t, mLSE, tma_q, tma_k, tma_v, tma_o, softmax_scale, log2_scale,
                     qhead_per_kvhead, tiles, sparse, order, workspace, aux_tensors, aux_scalars, sQ_layout,
                     sKV_layout, tiled_mma_qk, tiled_mma_pv, Storage).launch(
-            grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1, **launch)
+            grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
+            use_pdl=self.cfg.chained_launch, **launch)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -243,6 +244,12 @@ class FlexFwdSm90:
         sO = sQ
         if cutlass.const_expr(self.separate_o):
             sO = storage.sO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        if cutlass.const_expr(self.cfg.chained_launch):
+            # (`chained_launch`) the kernel before may still be writing what this one reads, or reading what it
+            # writes: every global access below comes after its end
+            cute.arch.griddepcontrol_wait()
+            if cutlass.const_expr(self.persistent):
+                cute.arch.griddepcontrol_launch_dependents()
         seqlen_k = mK.shape[0]
         first = None  # one-tile-per-CTA grid: this CTA's tile, looked up while the barriers initialise
         if cutlass.const_expr(not self.persistent):

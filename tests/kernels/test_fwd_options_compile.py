@@ -369,3 +369,19 @@ def test_split_tail_compiles_without_spills(D):
     assert ptx.count("atom.global") == 1 and ptx.count("fence.acq_rel.gpu") == 2
     whole, _ = _compile(dataclasses.replace(cfg, split_tail=False), "dense")
     assert "atom.global" not in whole and "fence.acq_rel" not in whole
+
+
+@pytest.mark.parametrize("kind,options", [("causal", {}), ("dense", dict(persistent_ctas=132, cluster_m=2))])
+def test_chained_launch_waits_before_any_global_access(kind, options):
+    """`chained_launch`: one `griddepcontrol.wait` before the kernel's first global load, store or TMA copy; the
+    persistent kernel lets the next kernel launch right after it, the one-tile-per-CTA grid does not."""
+    base = dataclasses.replace(default_config(128, kind != "dense", False), **options)
+    ptx, report = _compile(dataclasses.replace(base, chained_launch=True), kind)
+    _sound(ptx, report)
+    first_access = re.search(r"\b(ld\.global|st\.global|cp\.async\.bulk|atom\.global|red\.global)", ptx).start()
+    assert ptx.count("griddepcontrol.wait") == 1 and ptx.find("griddepcontrol.wait") < first_access
+    launches = ptx.count("griddepcontrol.launch_dependents")
+    assert launches == (1 if base.persistent else 0)
+    if launches:
+        assert ptx.find("griddepcontrol.wait") < ptx.find("griddepcontrol.launch_dependents")
+    assert "griddepcontrol" not in _compile(base, kind)[0]

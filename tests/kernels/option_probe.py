@@ -1,14 +1,14 @@
-"""H200 probe of one backward option (a `BwdConfig` field; not a test): forward + backward per call with the field
-as the launcher sets it and flipped, in turns, on benchmark rows.
+"""H200 probe of one kernel option (a boolean `BwdConfig` field, or with --forward a `FwdConfig` field; not a test):
+forward + backward per call with the field as the launcher sets it and flipped, in turns, on benchmark rows.
 
-    python tests/kernels/bwd_option_probe.py OUT.json --field chained_launch [--rounds 11] [--rows 0,1,5]
+    python tests/kernels/option_probe.py OUT.json --field chained_launch [--forward] [--rounds 11] [--rows 0,1,5]
 
 (--rounds 0 compiles and compares only: run one process per row that way first to compile in parallel.)
 
 Each sample times 8 calls of the forward + backward with CUDA events, back to back as a training loop runs them
-(every kernel and every gap between kernels counted), and 8 calls of the backward alone. The variants take turns in
-a rotated order and the median over rounds is reported with the speed-up of the launcher's setting over the
-flipped one. Before timing, both variants' dQ, dK and dV are compared on the same inputs (rel-L2, NaN).
+(every kernel and every gap between kernels counted), 8 calls of the backward alone and 8 of the forward alone. The
+variants take turns in a rotated order and the median over rounds is reported with the speed-up of the launcher's
+setting over the flipped one. Before timing, both variants' dQ, dK and dV are compared on the same inputs (rel-L2, NaN).
 """
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ def _timed(fn) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--field", required=True, help="a boolean BwdConfig field")
+    ap.add_argument("--field", required=True, help="a boolean BwdConfig field (FwdConfig with --forward)")
+    ap.add_argument("--forward", action="store_true", help="flip the field in the forward kernel's configuration")
     ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--rows", default=None, help="comma-separated indices into ROWS (default: all)")
     args = ap.parse_args()
@@ -49,9 +50,12 @@ def main() -> None:
     import flexlab.api as api
     from flexlab.bench.cases import build_case
     from flexlab.kernels import bwd_launch
+    from flexlab.runtime import launch as fwd_launch
     from flexlab.testing import rel_l2
 
-    launcher = bwd_launch._config
+    # the function that hands the launcher its configuration, and where it lives
+    module, name = (fwd_launch, "scheduled") if args.forward else (bwd_launch, "_config")
+    launcher = getattr(module, name)
 
     def flipped(*a, **k):
         cfg = launcher(*a, **k)
@@ -59,10 +63,12 @@ def main() -> None:
     variants = {"launcher": launcher, "flipped": flipped}
     names = list(variants)
 
-    def use(name):
-        bwd_launch._config = variants[name]
+    def use(variant):
+        setattr(module, name, variants[variant])
         bwd_launch._PLANS.clear()
-        api._WARM_TRAIN.clear()  # (the warm training path holds its plan)
+        fwd_launch._PLANS.clear()
+        api._WARM.clear()  # (the warm paths hold their plans)
+        api._WARM_TRAIN.clear()
 
     results = {}
     try:
@@ -82,7 +88,8 @@ def main() -> None:
             for name in names:
                 use(name)
                 grads[name] = torch.autograd.grad(forward(), (q, k, v), dout)
-            setting = getattr(launcher(D, False, False, None if bm is None else bm.BLOCK_SIZE[0]), args.field)
+            setting = None if args.forward else getattr(
+                launcher(D, False, False, None if bm is None else bm.BLOCK_SIZE[0]), args.field)
             errors = {n: rel_l2(a, b) for n, a, b in zip(("dq", "dk", "dv"), grads["launcher"], grads["flipped"])}
             nan = any(torch.isnan(t).any().item() for g in grads.values() for t in g)
             del grads
@@ -91,7 +98,8 @@ def main() -> None:
                 print(row, f"{args.field}={setting}", " ".join(f"{n} {e:.1e}" for n, e in errors.items()),
                       "NaN" if nan else "", flush=True)
                 continue
-            times = {f"{n} {part}": [] for n in names for part in ("fwd+bwd", "bwd")}
+            parts = ("fwd+bwd", "bwd", "fwd")
+            times = {f"{n} {part}": [] for n in names for part in parts}
             for r in range(args.rounds):
                 for name in names[r % len(names):] + names[:r % len(names)]:
                     use(name)
@@ -100,8 +108,10 @@ def main() -> None:
                     out = forward()
                     times[f"{name} bwd"].append(
                         _timed(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)))
+                    with torch.no_grad():
+                        times[f"{name} fwd"].append(_timed(forward))
             median = {n: statistics.median(t) for n, t in times.items()}
-            speedup = {part: median[f"flipped {part}"] / median[f"launcher {part}"] for part in ("fwd+bwd", "bwd")}
+            speedup = {part: median[f"flipped {part}"] / median[f"launcher {part}"] for part in parts}
             results[row] = {"launcher_setting": setting, "median_ms": median, "speedup_of_launcher": speedup,
                             "rel_l2_launcher_vs_flipped": errors, "nan": nan, "rounds_ms": times}
             print(row, f"{args.field}={setting}", " ".join(f"{n}={m:.4f}" for n, m in median.items()),
@@ -109,9 +119,9 @@ def main() -> None:
                   " ".join(f"{n} {e:.1e}" for n, e in errors.items()), "NaN" if nan else "", flush=True)
             torch.cuda.empty_cache()
     finally:
-        bwd_launch._config = launcher
+        setattr(module, name, launcher)
         with open(args.out, "w") as f:
-            json.dump({"field": args.field, "calls_per_sample": CALLS, "rounds": args.rounds, "rows": results}, f,
+            json.dump({"field": args.field, "forward": args.forward, "calls_per_sample": CALLS, "rounds": args.rounds, "rows": results}, f,
                       indent=1)
 
 
