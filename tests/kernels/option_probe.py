@@ -121,8 +121,8 @@ def main() -> None:
     finally:
         setattr(module, name, launcher)
         with open(args.out, "w") as f:
-            json.dump({"field": args.field, "forward": args.forward, "calls_per_sample": CALLS, "rounds": args.rounds, "rows": results}, f,
-                      indent=1)
+            json.dump({"field": args.field, "forward": args.forward, "calls_per_sample": CALLS, "rounds": args.rounds,
+                       "rows": results}, f, indent=1)
 
 
 if __name__ == "__main__":
