@@ -1,9 +1,11 @@
-"""Two clocks per measurement: wall-clock per call (what a user waits for) and summed GPU kernel time per call.
+"""Two clocks per measurement: wall-clock per call (what a user waits for) and GPU kernel time per call.
 
 Wall time comes from triton's `do_bench` (median over repetitions, L2 flushed between calls), so it includes the host
-work of launching: argument checks, Python dispatch, allocator calls. Kernel time sums every GPU kernel and memset
-the profiler sees during the calls, divided by the number of calls; the gap between the two is launch overhead,
-which dominates at small shapes. The profiler also tells which kernels ran, which is how a silent fall-back to an
+work of launching: argument checks, Python dispatch, allocator calls. Kernel time is the time during which some GPU
+kernel or memset the profiler sees was running, over the calls, divided by the number of calls: the union of their
+intervals, so kernels that overlap (programmatic dependent launch starts a kernel's CTAs while the one before drains,
+and they wait there) count once, not once each. The gap between the two clocks is launch overhead, which dominates
+at small shapes. The profiler also tells which kernels ran, which is how a silent fall-back to an
 unfused path is caught.
 
 A GPU's clock drifts with its temperature and power draw over a benchmark, by a few percent, so backends timed one
@@ -37,9 +39,21 @@ def wall_ms_cuda(fn: Callable[[], object], warmup_ms: float, rep_ms: float, grad
 
 
 def kernel_profile_cuda(fn: Callable[[], object], calls: int, top: int = 4) -> tuple[float, list[tuple[str, float]]]:
-    """GPU time per call from the profiler (all kernels and memsets), and the largest kernels by name."""
-    per_name = _kernel_times_cuda(fn, calls)
-    return sum(per_name.values()) / 1e3 / calls, _largest(per_name, calls, top)
+    """GPU time per call from the profiler (all kernels and memsets, overlaps counted once), and the largest kernels
+    by name (each one's own duration, waits included)."""
+    per_name, busy_us = _kernel_times_cuda(fn, calls)
+    return busy_us / 1e3 / calls, _largest(per_name, calls, top)
+
+
+def busy_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of (start, end) intervals: the time some kernel was running."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total
 
 
 def _largest(per_name: dict[str, float], calls: int, top: int) -> list[tuple[str, float]]:
@@ -48,8 +62,8 @@ def _largest(per_name: dict[str, float], calls: int, top: int) -> list[tuple[str
     return [(name, us / 1e3 / calls) for name, us in largest]
 
 
-def _kernel_times_cuda(fn: Callable[[], object], calls: int) -> dict[str, float]:
-    """Microseconds of GPU time per kernel name over `calls` calls."""
+def _kernel_times_cuda(fn: Callable[[], object], calls: int) -> tuple[dict[str, float], float]:
+    """(microseconds of GPU time per kernel name, microseconds during which any of them ran) over `calls` calls."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -60,10 +74,12 @@ def _kernel_times_cuda(fn: Callable[[], object], calls: int) -> dict[str, float]
             fn()
         torch.cuda.synchronize()
     per_name: dict[str, float] = {}
+    intervals = []
     for evt in prof.events():
         if evt.device_type == DeviceType.CUDA:
             per_name[evt.name] = per_name.get(evt.name, 0.0) + evt.time_range.elapsed_us()
-    return per_name
+            intervals.append((evt.time_range.start, evt.time_range.end))
+    return per_name, busy_us(intervals)
 
 
 def wall_ms_host(fn: Callable[[], object], warmup_ms: float, rep_ms: float) -> float:
@@ -112,8 +128,8 @@ def measure_interleaved(fns: dict[str, Callable[[], object]], device: torch.devi
         shift = r % len(names)
         for n in names[shift:] + names[:shift]:
             walls[n].append(wall_ms_cuda(fns[n], warmup_ms, rep_ms / rounds))
-            times = _kernel_times_cuda(fns[n], calls)
-            kernel[n].append(sum(times.values()) / 1e3 / calls)
+            times, busy = _kernel_times_cuda(fns[n], calls)
+            kernel[n].append(busy / 1e3 / calls)
             for k, us in times.items():
                 by_name[n][k] = by_name[n].get(k, 0.0) + us
     return {n: Timing(wall_ms=statistics.median(walls[n]), kernel_ms=statistics.median(kernel[n]),

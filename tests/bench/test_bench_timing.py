@@ -19,7 +19,8 @@ def _drifting_gpu(monkeypatch, slowdown_per_call=0.01):
         return fn() * (1 + slowdown_per_call * state["n"])
 
     def kernels(fn, calls):
-        return {f"{fn.__name__}_kernel": 1e3 * calls * fn() * (1 + slowdown_per_call * state["n"])}
+        us = 1e3 * calls * fn() * (1 + slowdown_per_call * state["n"])
+        return {f"{fn.__name__}_kernel": us}, us
 
     monkeypatch.setattr(timing, "wall_ms_cuda", wall)
     monkeypatch.setattr(timing, "_kernel_times_cuda", kernels)
@@ -66,3 +67,13 @@ def test_cpu_times_each_callable_once(monkeypatch):
     monkeypatch.setattr(timing, "wall_ms_host", lambda fn, w, r: calls.append(fn.__name__) or 2.0)
     out = timing.measure_interleaved(_same_speed(), torch.device("cpu"), rounds=5)
     assert calls == ["a", "b", "c"] and all(t.wall_ms == 2.0 and t.kernel_ms is None for t in out.values())
+
+
+def test_kernel_time_counts_overlapping_kernels_once():
+    # kernels back to back, one that started (and waited) while the one before drained, and one nested inside
+    # another: 20 + 6 us of busy time, against 36 us of summed durations
+    intervals = [(0, 10), (10, 15), (12, 20), (15, 20), (30, 36), (31, 33)]
+    assert timing.busy_us(intervals) == 26
+    assert timing.busy_us(list(reversed(intervals))) == 26
+    assert timing.busy_us([]) == 0
+    assert timing.busy_us([(5, 7)]) == 2
