@@ -200,7 +200,8 @@ def _per_stream(device: torch.device, what: tuple, make, stream: torch.cuda.Stre
     key = (device.index, handle, what)
     if torch.cuda.is_current_stream_capturing():
         capture = _capture_id(handle)
-        held, key = _GRAPH_BUFFERS, (capture if capture is not None else len(_GRAPH_BUFFERS),) + key
+        # (an unnamed capture: a key no other launch has)
+        held, key = _GRAPH_BUFFERS, (capture if capture is not None else object(),) + key
     hit = held.get(key)
     if hit is None:
         hit = held[key] = make()
