@@ -182,10 +182,10 @@ class BwdConfig:
     def lets_next_in_early(self) -> bool:
         """Chained, whether the main kernel lets the next kernel launch once all its CTAs have passed their wait
         (the postprocess's CTAs then take the SMs of the last wave as they free up), not as its last CTAs end.
-        Persistent CTAs (D=64 sliding window S16k: 5.6% faster backward than when it is not) and the whole
-        tiles of a cut last wave (whose parts must start early) do; a grid of one CTA per tile does not (D=64 causal
-        S16k: 1.6% slower with it; BENCHMARKS.md)."""
-        return self.chained_launch and (self.persistent or self.whole_tiles_only)
+        Persistent CTAs (D=64 sliding window S16k: 5.6% faster backward than when it is not), the whole tiles of a
+        cut last wave (whose parts must start early) and the parts themselves do; a grid of one CTA per tile does
+        not (D=64 causal S16k: 1.6% slower with it; BENCHMARKS.md)."""
+        return self.chained_launch and (self.persistent or self.whole_tiles_only or self.split_tail)
 
     @property
     def persistent_fits(self) -> bool:

@@ -361,14 +361,11 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         pipeline.pipeline_init_wait()
         if cutlass.const_expr(self.cfg.chained_launch and not self.cfg.split_tail):
             # Chained: this CTA may have started while the preprocess drained. Wait for its rows (LSE2, D) and
-            # zeroed dQ sums; then (`lets_next_in_early`) let the next kernel (the postprocess, or the parts of a
-            # cut last wave, which read the preprocess's rows without a wait of their own) begin its launch.
+            # zeroed dQ sums. (The parts of a cut last wave read those rows without a wait of their own: they start
+            # only once every CTA of the whole tiles' kernel has passed this one.)
             cute.arch.griddepcontrol_wait()
-            if cutlass.const_expr(self.cfg.lets_next_in_early):
-                cute.arch.griddepcontrol_launch_dependents()
-        if cutlass.const_expr(self.cfg.chained_launch and self.cfg.split_tail):
-            # the parts' kernel starts after every CTA of the whole tiles' kernel passed the wait above; the
-            # postprocess behind it waits for it to end
+        if cutlass.const_expr(self.cfg.lets_next_in_early):
+            # then let the next kernel (the postprocess, or the parts) begin its launch
             cute.arch.griddepcontrol_launch_dependents()
         roles = (mQ, mK, mV, mdO, mdK, mdV, mdQ, mLSE2, mDpsum, sQ, sK, sV, sdO, sdS, storage, sKV_layout, sdQ_layout,
                  tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv, tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq,

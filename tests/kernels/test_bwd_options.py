@@ -183,7 +183,7 @@ def test_option_compiles_without_spills(name, D, options, kind):
     # programmatic dependent launch: chained, every kernel waits once for the one before (the parts of a cut last wave
     # at their end, for the whole tiles' kernel), and persistent CTAs, the whole tiles and the parts let the next
     # kernel in early; unchained, only a cut last wave's two kernels use it
-    early = cfg.lets_next_in_early or cfg.whole_tiles_only or (cfg.chained_launch and cfg.split_tail)
+    early = cfg.lets_next_in_early or cfg.whole_tiles_only
     assert ptx.count("griddepcontrol.launch_dependents") == int(early)
     assert ptx.count("griddepcontrol.wait") == int(cfg.chained_launch or cfg.split_tail)
     # the Q/dO waits, the consumers' and the producer's, try once without a suspend hint first only with the option
