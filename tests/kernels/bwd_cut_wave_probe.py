@@ -29,6 +29,7 @@ def main() -> None:
     from flexlab.autograd import differentiable_attention
     from flexlab.kernels import bwd_config, bwd_launch
     from flexlab.testing import random_qkv
+    from option_probe import ms_per_call  # (this directory: the script's own)
 
     model = bwd_config.split_parts
     variants = {"whole": lambda *a: 1, "model": model, "p3": lambda *a: 3, "p5": lambda *a: 5}
@@ -46,15 +47,8 @@ def main() -> None:
                 for name in names[r % len(names):] + names[:r % len(names)]:
                     bwd_config.split_parts = variants[name]
                     bwd_launch._PLANS.clear()
-                    out.backward(dout, retain_graph=True)  # (builds the plan; compiles once)
-                    torch.cuda.synchronize()
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    for _ in range(CALLS):
-                        out.backward(dout, retain_graph=True)
-                    end.record()
-                    torch.cuda.synchronize()
-                    times[name].append(start.elapsed_time(end) / CALLS)
+                    # (the untimed first call builds the plan; compiles once)
+                    times[name].append(ms_per_call(lambda o=out, d=dout: o.backward(d, retain_graph=True), CALLS))
             median = {n: statistics.median(t) for n, t in times.items()}
             speedup = {n: median["whole"] / m for n, m in median.items()}
             results[row] = {"tiles": tiles, "steps": steps, "model_parts": model(tiles, 132, steps),

@@ -25,17 +25,18 @@ ROWS = [("sliding_window", 1, 16384, 128), ("document", 1, 16384, 128), ("slidin
 CALLS = 8
 
 
-def _timed(fn) -> float:
-    """Milliseconds per call of `fn` over CALLS calls, after one untimed call."""
+def ms_per_call(fn, calls: int = CALLS) -> float:
+    """Milliseconds per call of `fn` over `calls` calls back to back (CUDA events), after one untimed call. The
+    probes of this directory time their samples with it."""
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
-    for _ in range(CALLS):
+    for _ in range(calls):
         fn()
     end.record()
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / CALLS
+    return start.elapsed_time(end) / calls
 
 
 def main() -> None:
@@ -104,12 +105,13 @@ def main() -> None:
                 for name in names[r % len(names):] + names[:r % len(names)]:
                     use(name)
                     # (autograd.grad: no .grad accumulation kernels between the calls)
-                    times[f"{name} fwd+bwd"].append(_timed(lambda: torch.autograd.grad(forward(), (q, k, v), dout)))
+                    times[f"{name} fwd+bwd"].append(
+                        ms_per_call(lambda: torch.autograd.grad(forward(), (q, k, v), dout)))
                     out = forward()
                     times[f"{name} bwd"].append(
-                        _timed(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)))
+                        ms_per_call(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)))
                     with torch.no_grad():
-                        times[f"{name} fwd"].append(_timed(forward))
+                        times[f"{name} fwd"].append(ms_per_call(forward))
             median = {n: statistics.median(t) for n, t in times.items()}
             speedup = {part: median[f"flipped {part}"] / median[f"launcher {part}"] for part in parts}
             results[row] = {"launcher_setting": setting, "median_ms": median, "speedup_of_launcher": speedup,
