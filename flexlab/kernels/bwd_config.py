@@ -142,6 +142,10 @@ class BwdConfig:
     # reduce-add: frees the slab (64 KiB at D=256, room for a second Q/dO stage) and needs no dQ warp. In
     # deterministic mode each consumer warp waits for its turn on the Q tile and releases it after its adds.
     dq_red: bool = False
+    # The slab's reduce-add is a plain bulk copy (cp.reduce.async.bulk ... .add.f32 over its contiguous bytes) instead
+    # of a TMA tensor reduce: the slab is one contiguous run of `dQaccum` either way, so no tensor map is needed to
+    # address it (FA4's sm90 backward adds its dQ partials this way).
+    dq_bulk_reduce: bool = False
     # Block-sparse only: partial blocks read their mask from bits stored by the launcher (`runtime.mask_bits`, rows =
     # keys, 64 or 128 query columns) instead of evaluating mask_mod; chosen where the forward's are
     # (`kernels.config.STORE_MASK_BITS`: masks that read captured tensors).
@@ -274,6 +278,8 @@ class BwdConfig:
                     "one of them, with kv_tiles_first and neither persistent_ctas nor lpt_order")
         if self.persistent_ctas < 0:
             return f"persistent_ctas={self.persistent_ctas} must be 0 (off) or a CTA count"
+        if self.dq_red and self.dq_bulk_reduce:
+            return "dq_bulk_reduce adds the shared-memory slab, which dq_red does without: one of them"
         if self.dq_red and self.dq_warp:
             return "dq_red adds the dQ partials from the consumer threads: there is no reduce for a dQ warp to issue"
         if self.smem_bytes() > SMEM_BYTES_SM90:
@@ -436,9 +442,13 @@ def candidate_bwd_configs(head_dim: int, deterministic: bool = False, mod_grads:
     if base.dq_red:  # the dQ partials through a shared-memory slab (one Q/dO stage less at D=256)
         cands["dq_slab"] = replace(base, dq_red=False, dq_warp=True, num_stages=base.num_stages - 1)
     else:  # straight from registers, and with the slab's shared memory spent on one more stage
-        cands["dq_red"] = replace(base, dq_red=True, dq_warp=False)
+        cands["dq_red"] = replace(base, dq_red=True, dq_warp=False, dq_bulk_reduce=False)
+        # the slab added by a plain bulk reduce or by a TMA tensor reduce, whichever the default does not do
+        cands["dq_tensor_reduce" if base.dq_bulk_reduce else "dq_bulk_reduce"] = replace(
+            base, dq_bulk_reduce=not base.dq_bulk_reduce)
         more = base.num_stages + 1
-        cands[f"dq_red_stages{more}"] = replace(base, dq_red=True, dq_warp=False, num_stages=more)
+        cands[f"dq_red_stages{more}"] = replace(base, dq_red=True, dq_warp=False, dq_bulk_reduce=False,
+                                                num_stages=more)
     if not deterministic and replace(base, persistent_ctas=num_sms).feasibility_error() is None:
         # persistent CTAs, and one CTA per tile whatever the tiles' length (`runs_persistent`)
         cands["persistent"] = replace(base, persistent_ctas=num_sms)

@@ -9,7 +9,8 @@ dQ warp issues every warpgroup's reduce of a step before waiting for them to lan
 Who issues the reduce: with `BwdConfig.dq_warp` (the default, 1.01-1.29x faster main kernel), one warp of the
 producer warpgroup that walks the same schedule (`write_dq`): a consumer warpgroup only writes its slab and arrives on
 DQ_FULL, and waits on DQ_EMPTY before writing the next one. Without it, the first warp of each consumer warpgroup.
-With `BwdConfig.dq_red` (head dim 256) there is no slab: every consumer thread adds its partial into `dQaccum` with
+With `BwdConfig.dq_bulk_reduce` the slab leaves by a plain bulk reduce of its contiguous bytes instead of a TMA
+tensor reduce (the same bulk group, waits and turns). With `BwdConfig.dq_red` (head dim 256) there is no slab: every consumer thread adds its partial into `dQaccum` with
 16-byte vector reductions, in the same fragment order; in deterministic mode each warp waits for its turn and
 releases it itself (`red_dq`).
 
@@ -90,6 +91,18 @@ def fragment_order(slab: cute.Tensor, thread: Int32, frag_shape) -> cute.Tensor:
 
 
 @dsl_user_op
+def bulk_reduce_add_f32(global_address: Int64, shared_address: Int32, num_bytes: Int32, *, loc=None, ip=None):
+    """Add `num_bytes` of fp32 from shared memory into global memory as one asynchronous bulk operation (one lane
+    issues it; it joins the issuing thread's bulk group, so `cp_async_bulk_commit_group` / `wait_group` cover it).
+    Both addresses 16-byte aligned, `num_bytes` a multiple of 16."""
+    operands = [Int64(global_address).ir_value(loc=loc, ip=ip), Int32(shared_address).ir_value(loc=loc, ip=ip),
+                Int32(num_bytes).ir_value(loc=loc, ip=ip)]
+    llvm.inline_asm(None, operands,
+                    "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [$0], [$1], $2;", "l,r,r",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
 def red_add_f32x4(address: Int64, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None):
     """Four fp32 adds into 16 aligned bytes of global memory in one vector reduction (sm_90, no return value)."""
     llvm.inline_asm(None, [Int64(address).ir_value(loc=loc, ip=ip)] + [Float32(x).ir_value(loc=loc, ip=ip)
@@ -165,7 +178,12 @@ class BwdDqReduce:
             self.wait_dq_turn(order, batch, head, m_block, wg)
             cute.arch.sync_warp()  # every lane has seen the turn before the warp-collective copy
             cute.arch.fence_proxy("async.global")  # the acquire orders the TMA (async proxy) reduce too
-        cute.copy(tma_dq, tdQs, tdQg[None, self.dq_tile_index(m_block, wg)])  # elects one lane itself
+        if cutlass.const_expr(self.cfg.dq_bulk_reduce):  # (`tdQs` the slab, `tdQg` = `dq_slabs`: plain tensors)
+            if cute.arch.lane_idx() == 0:
+                slab = tdQg[None, None, self.dq_tile_index(m_block, wg)]
+                bulk_reduce_add_f32(slab.iterator.toint(), tdQs.iterator.toint(), Int32(cute.size(tdQs) * 4))
+        else:
+            cute.copy(tma_dq, tdQs, tdQg[None, self.dq_tile_index(m_block, wg)])  # elects one lane itself
         # Every lane commits and waits on its own bulk group (empty for the lanes that issued nothing), so the lane
         # the copy elected is always covered without knowing which one it was.
         cute.arch.cp_async_bulk_commit_group()
@@ -186,6 +204,13 @@ class BwdDqReduce:
         """One release of this slab's turn counter (one lane, after its warp's adds are ordered before it)."""
         sem = mdQsem.iterator + cute.crd2idx((batch, head, m_block, wg), mdQsem.layout)
         cute.arch.red(sem, Int32(1), op="add", dtype=Int32, sem="release", scope="gpu")
+
+    def reduce_operands(self, tma_dq, slab: cute.Tensor, gdQ: cute.Tensor) -> tuple:
+        """(source, destination) of a warpgroup's reduces from shared-memory `slab` into `gdQ` (`dq_slabs`): TMA
+        partitions of both, or with `dq_bulk_reduce` the tensors themselves."""
+        if cutlass.const_expr(self.cfg.dq_bulk_reduce):
+            return slab, gdQ
+        return tma_tiles(tma_dq, slab, gdQ)
 
     def dq_tile_index(self, m_block: Int32, wg: Int32):
         """Which of the slabs `tdQg` was cut into this warpgroup reduces into: Q tile m_block's slabs follow each
@@ -242,7 +267,7 @@ class BwdDqReduce:
             sched = self.head_schedule(sparse, batch, head, g, n_block, num_m_blocks, piece)
             order = (mdQsem, mRank, sched.b, sched.h, n_block)
             gdQ = self.dq_slabs(mdQ, head, batch)
-            slabs = [tma_tiles(tma_dq, sdQ[None, None, w], gdQ) for w in range(self.num_wg)]  # per warpgroup
+            slabs = [self.reduce_operands(tma_dq, sdQ[None, None, w], gdQ) for w in range(self.num_wg)]  # per wg
             for i in cutlass.range(sched.total, unroll=1):
                 m_block = sched.block(i)
                 if cutlass.const_expr(self.deterministic):

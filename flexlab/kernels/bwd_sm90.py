@@ -235,7 +235,7 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         tma_v, mV_t = cpasync.make_tiled_tma_atom(load_op, mV, sKV_layout, (tile_n, hd))
         tma_dk, mdK_t = cpasync.make_tiled_tma_atom(store_op, mdK, sKV_layout, (tile_n, hd))
         tma_dv, mdV_t = cpasync.make_tiled_tma_atom(store_op, mdV, sKV_layout, (tile_n, hd))
-        if cutlass.const_expr(self.dq_red):  # consumer threads add into the plain accumulator: no TMA reduce
+        if cutlass.const_expr(self.dq_red or self.cfg.dq_bulk_reduce):  # the plain accumulator: no TMA reduce
             tma_dq, mdQ_t = None, mdQlines
         else:
             tma_dq, mdQ_t = cpasync.make_tiled_tma_atom(cpasync.CopyReduceBulkTensorTileS2GOp(), mdQlines,
@@ -293,7 +293,7 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
             sparse = (sparse[0], sparse[1], sparse[2], sparse[3])
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_v, tma_do, tma_dk, tma_dv, tma_dq):
-                if cutlass.const_expr(atom is not None):  # (no dQ reduce atom with `dq_red`)
+                if cutlass.const_expr(atom is not None):  # (no dQ reduce atom with `dq_red`, `dq_bulk_reduce`)
                     cpasync.prefetch_descriptor(atom)
         storage = SmemAllocator().allocate(Storage)
         consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_consumer_threads // 32)
@@ -561,7 +561,7 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
             if cutlass.const_expr(self.dq_red):
                 tdQs, tdQg = None, self.dq_slabs(mdQ, head, batch)
             else:
-                tdQs, tdQg = tma_tiles(tma_dq, sdQ_mine, self.dq_slabs(mdQ, head, batch))
+                tdQs, tdQg = self.reduce_operands(tma_dq, sdQ_mine, self.dq_slabs(mdQ, head, batch))
             order = (mdQsem, mRank, sched.b, sched.h, n_block)
             mods = (batch, head, seqlen_q - 1, seqlen_k - 1, softmax_scale, aux_tensors, aux_scalars, aux_grads, order)
             for i in cutlass.range(sched.total, unroll=1):

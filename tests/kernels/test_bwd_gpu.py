@@ -149,6 +149,36 @@ def test_persistent_ctas_match_one_tile_per_cta(D, sparse, monkeypatch):
 
 
 @needs_hopper
+@pytest.mark.parametrize("D,sparse,deterministic", [(128, False, False), (128, True, False), (64, True, False),
+                                                    (128, True, True)])
+def test_dq_bulk_reduce_matches_the_tensor_reduce(D, sparse, deterministic, monkeypatch):
+    """`BwdConfig.dq_bulk_reduce` (each dQ slab added by a plain bulk reduce) against the TMA tensor reduce on the
+    same inputs: dK and dV the same bits, dQ within rounding (bitwise in deterministic mode, whose order is fixed),
+    and against float64. GQA, ragged lengths (the padded last Q tile), a causal block mask."""
+    from dataclasses import replace
+
+    from flexlab.kernels import bwd_launch
+    Sq, Skv = 1000, 1100
+    bm = flexlab.create_block_mask(lambda b, h, qi, kv: qi >= kv, 1, 1, Sq, Skv, device="cuda") if sparse else None
+    q, k, v = random_qkv(2, 8, Sq, Skv, D, torch.bfloat16, "cuda", Hkv=2, requires_grad=True)
+    dout = torch.randn(2, 8, Sq, D, device="cuda", dtype=torch.bfloat16)
+    default = bwd_launch._config
+    grads = {}
+    for bulk in (False, True):
+        def config(*args, bulk=bulk):
+            return replace(default(*args), dq_bulk_reduce=bulk).validate()
+        monkeypatch.setattr(bwd_launch, "_config", config)
+        bwd_launch._PLANS.clear()  # (planned once per signature, with the configuration of that time)
+        grads[bulk] = _backward(q, k, v, None, bm, [], dout, True, deterministic=deterministic)
+    (dq, dk, dv), (t_dq, t_dk, t_dv) = grads[True], grads[False]
+    assert torch.equal(dk, t_dk) and torch.equal(dv, t_dv)
+    assert torch.equal(dq, t_dq) if deterministic else rel_l2(dq, t_dq) < 1e-4
+    for n, a, b in zip(("dq", "dk", "dv"), grads[True], _reference_grads(q, k, v, None, bm, [], dout, True)):
+        assert not torch.isnan(a).any(), f"NaN in {n}"
+        assert grad_error(a, b) < GRAD_TOL, f"{n}: error {grad_error(a, b):.2e}"
+
+
+@needs_hopper
 @pytest.mark.parametrize("parts", [2, 3, 5, 8])
 @pytest.mark.parametrize("D,score", [(128, None), (64, None), (256, None), (128, "bias")])
 def test_split_tail_matches_whole_tiles(D, score, parts, monkeypatch):

@@ -64,6 +64,7 @@ def test_default_options_and_candidates_fit():
     red = candidate_bwd_configs(256, deterministic=True)["dq_red_stages2"]
     assert (red.dq_red, red.dq_warp, red.num_stages) == (True, False, 2) and red.feasibility_error() is None
     assert "dq_red" in replace(d256, dq_warp=True).feasibility_error()
+    assert "dq_bulk_reduce" in replace(d256, dq_bulk_reduce=True).feasibility_error()  # (no slab to add)
     assert "split" in replace(d256, tile_n=128).feasibility_error()
     assert set(candidate_bwd_configs(256)) >= {"default", "dq_slab"}
     # The struct's size: 1 KiB of mbarriers (2 KiB with the LSE2/D rows) then six 32 KiB tiles at D=128.
@@ -141,6 +142,12 @@ CELLS = [  # (name, head dim, options, kernel flavour): each option in a few fla
     ("whole_tiles_only-dense", 128, dict(whole_tiles_only=True), "dense"),
     ("unchained_whole_tiles_only-dense", 128, dict(whole_tiles_only=True, chained_launch=False), "dense"),
     ("unchained-mask", 64, dict(chained_launch=False), "mask"),
+    # the dQ slabs added by plain bulk reduces (no tensor map), issued by the dQ warp, by the consumers, in turn
+    ("dq_bulk_reduce-mask", 128, dict(dq_bulk_reduce=True), "mask"),
+    ("dq_bulk_reduce-dense", 128, dict(dq_bulk_reduce=True), "dense"),
+    ("dq_bulk_reduce_in_consumers-mask-d64", 64, dict(dq_bulk_reduce=True, dq_warp=False), "mask"),
+    ("dq_bulk_reduce-det_mask", 128, dict(dq_bulk_reduce=True), "det_mask"),
+    ("dq_bulk_reduce-persistent-mask-d64", 64, dict(dq_bulk_reduce=True, persistent_ctas=132), "mask"),
 ]
 
 
@@ -158,7 +165,10 @@ def test_option_compiles_without_spills(name, D, options, kind):
     _no_spills(report)
     assert "ld.local" not in ptx and "st.local" not in ptx
     _check_sync(ptx, cfg)
-    assert "cp.reduce.async.bulk.tensor" in ptx
+    # each dQ slab leaves by one TMA tensor reduce, or (`dq_bulk_reduce`) one plain bulk reduce of its bytes
+    bulk = "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32"
+    assert ("cp.reduce.async.bulk.tensor" in ptx) != cfg.dq_bulk_reduce
+    assert (bulk in ptx) == cfg.dq_bulk_reduce
     if cfg.stats_in_smem:
         # LSE2 and D rows come in by two bulk copies per stage; the consumers read them from shared memory
         assert len(re.findall(r"cp\.async\.bulk\.shared::cluster\.global\.mbarrier", ptx)) == 2
