@@ -645,18 +645,22 @@ def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, bloc
     if deterministic:
         sem = torch.zeros((B, Hq, sq_pad // cfg.tile_m, cfg.num_consumer_wgs), dtype=torch.int32, device=dev)
     scalars = g.kernel_aux_scalar_values(aux_scalars) if g is not None else ()
-    whole = None
+    whole = tail_space = None
     if plan.tail is not None:  # the whole tiles' kernel stops at the cut ones
         whole = plan.tail[:1]
+        whole_tiles, parts, cut, floats, parts_kernel = plan.tail
+        tail_space = (whole_tiles, parts) + split_tail_buffers(dev, cut, floats)
+    # (scheduling buffers before the first launch: under CUDA-graph capture their zeroing is a node of the graph, which
+    # must not sit between two chained kernels)
+    counter = tile_counter(dev) if cfg.persistent else None
 
     # Argument order = the kernels' __call__ signatures; None for an input compiled as absent.
     kernels.pre(out, dout, lse.contiguous(), dlse.contiguous() if dlse is not None else None, dpsum, lse2, dq_accum)
     kernels.main(q, k, v, dout, lse2, dpsum, dq_accum, dk, dv, scale, Hq // k.shape[1], plan.sparse, kernel_aux,
-                 scalars, grads, sem, plan.rank, plan.tile_order, tile_counter(dev) if cfg.persistent else None, whole)
+                 scalars, grads, sem, plan.rank, plan.tile_order, counter, whole)
     if plan.tail is not None:  # then the cut tiles' parts (one fp32 dK and dV tile of workspace per part)
-        whole_tiles, parts, cut, floats, parts_kernel = plan.tail
         parts_kernel(q, k, v, dout, lse2, dpsum, dq_accum, dk, dv, scale, Hq // k.shape[1], None, kernel_aux, scalars,
-                     grads, None, None, None, None, (whole_tiles, parts) + split_tail_buffers(dev, cut, floats))
+                     grads, None, None, None, None, tail_space)
     kernels.post(dq_accum, dq, scale)
     if kernels.grad_dtype == torch.int64:
         from .bwd_aux_grad import from_fixed_point

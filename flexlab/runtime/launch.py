@@ -175,36 +175,23 @@ def _compiled(mods: KernelMods, dtype: torch.dtype, cfg: FwdConfig, arch: str, s
 
 # Scheduling buffers kernels leave as they found them (counters back at 0), so launches that run one after another
 # share them: one per stream (and kind). Kernels on two streams may overlap, so they never share one. A captured CUDA
-# graph is replayed later, maybe beside eager launches or other graphs, so its launches share buffers of their own:
-# one per (capture, stream, kind), kept as long as the process (nothing tells us when a graph is destroyed; a graph
-# of a model holds one set, not one per launch). Where the capture cannot be identified, each launch gets its own.
+# graph is replayed later, maybe beside eager launches or other graphs, so each of its launches gets buffers of its
+# own, allocated during the capture: they come from the graph's memory pool, their zeroing is a node of the graph
+# (replayed before the launch that uses them) and they are freed with the graph, not kept by the process.
 _STREAM_BUFFERS: dict[tuple, object] = {}
-_GRAPH_BUFFERS: dict[tuple, object] = {}
-
-
-def _capture_id(handle: int) -> int | None:
-    """The id of the CUDA-graph capture under way on stream `handle` (unique for the process), or None."""
-    try:
-        from cuda.bindings import driver
-        out = driver.cuStreamGetCaptureInfo(driver.CUstream(handle))
-        return int(out[2]) if out[0] == driver.CUresult.CUDA_SUCCESS else None
-    except Exception:  # (an unknown binding version: fall back to one buffer per launch)
-        return None
 
 
 def _per_stream(device: torch.device, what: tuple, make, stream: torch.cuda.Stream | None = None):
-    """The buffer `make()` builds for `what` on this stream (`stream`; default the current one)."""
+    """The buffer `make()` builds for `what` on this stream (`stream`; default the current one); under capture a
+    new one, the launch's own."""
+    if torch.cuda.is_current_stream_capturing():
+        return make()
     # the raw handle: building a torch Stream object costs microseconds per call
     handle = _current_raw_stream(device.index) if stream is None else stream.cuda_stream
-    held = _STREAM_BUFFERS
     key = (device.index, handle, what)
-    if torch.cuda.is_current_stream_capturing():
-        capture = _capture_id(handle)
-        # (an unnamed capture: a key no other launch has)
-        held, key = _GRAPH_BUFFERS, (capture if capture is not None else object(),) + key
-    hit = held.get(key)
+    hit = _STREAM_BUFFERS.get(key)
     if hit is None:
-        hit = held[key] = make()
+        hit = _STREAM_BUFFERS[key] = make()
     return hit
 
 
@@ -235,8 +222,6 @@ def split_tail_buffers(device: torch.device, counters: int, floats: int) -> tupl
     views = held.views.get((counters, floats))
     if views is None:
         if held.counters.numel() < counters or held.partials.numel() < floats:
-            if held.counters.numel() and torch.cuda.is_current_stream_capturing():
-                held.retired.append((held.counters, held.partials))  # the graph's earlier launches use it
             held.counters = torch.zeros(max(counters, held.counters.numel()), dtype=torch.int32, device=device)
             held.partials = torch.empty(max(floats, held.partials.numel()), dtype=torch.float32, device=device)
             held.views.clear()
@@ -251,7 +236,6 @@ class _SplitWorkspace:
         self.counters = torch.zeros(0, dtype=torch.int32, device=device)
         self.partials = torch.empty(0, dtype=torch.float32, device=device)
         self.views: dict[tuple, tuple] = {}
-        self.retired: list[tuple] = []  # (under capture) pairs it outgrew, which the graph's launches still use
 
 
 # torch's own cheap accessor for the current stream's handle (what its compiled kernels use), where the build has it

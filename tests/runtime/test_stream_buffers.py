@@ -1,7 +1,7 @@
 """The scheduling buffers the launcher hands kernels (`runtime.launch.tile_counter`, `scheduler_workspace`,
 `split_tail_buffers`): shared by launches on one stream, never across streams or kinds, one split-tail workspace per
-stream for every size, and under CUDA-graph capture a set per capture (CPU: the stream handle and the capture state
-are stubbed)."""
+stream for every size, and under CUDA-graph capture a set of its own for every launch, which nothing else keeps (CPU:
+the stream handle and the capture state are stubbed)."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,14 +16,12 @@ def _one_stream(monkeypatch):
     """Stream 11, no buffers yet, not capturing."""
     monkeypatch.setattr(launch, "_current_raw_stream", lambda index: 11)
     monkeypatch.setattr(launch, "_STREAM_BUFFERS", {})
-    monkeypatch.setattr(launch, "_GRAPH_BUFFERS", {})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
 
 
-def _capturing(monkeypatch, capture: dict):
-    """From now on the stream is being captured, as capture["id"] (None: a capture the driver does not name)."""
+def _capturing(monkeypatch):
+    """From now on the stream is being captured."""
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    monkeypatch.setattr(launch, "_capture_id", lambda handle: capture["id"])
 
 
 def test_buffers_are_shared_per_stream_and_kind(monkeypatch):
@@ -46,24 +44,27 @@ def test_buffers_are_shared_per_stream_and_kind(monkeypatch):
     assert launch.tile_counter(cpu) is not counter and launch.scheduler_workspace(split, cpu)[0] is not arrivals
 
 
-def test_capture_gets_its_own_buffers(monkeypatch):
-    """A graph is replayed later, maybe beside eager launches or another graph: its launches share buffers of their
-    own, one set per capture; a capture the driver does not name gets one per launch."""
+def test_each_captured_launch_gets_buffers_nothing_keeps(monkeypatch):
+    """A graph is replayed later, maybe beside eager launches or another graph: each of its launches gets zeroed
+    buffers of its own (allocated in the capture, so from the graph's pool and zeroed by a node of the graph), and the
+    launcher keeps no reference to them, so they are freed with the graph."""
+    import gc
+    import weakref
     _one_stream(monkeypatch)
     cpu = torch.device("cpu")
     eager = launch.tile_counter(cpu)
-    capture = {"id": 7}
-    _capturing(monkeypatch, capture)
-    first = launch.tile_counter(cpu)
-    assert first is not eager and launch.tile_counter(cpu) is first  # launches of one graph run in stream order
-    capture["id"] = 8
-    second = launch.tile_counter(cpu)
-    assert second is not first and launch.tile_counter(cpu) is second
-    capture["id"] = None
-    unnamed = [launch.tile_counter(cpu), launch.tile_counter(cpu)]
-    assert unnamed[0] is not unnamed[1] and all(u is not first and u is not second for u in unnamed)
-    kept = list(launch._GRAPH_BUFFERS.values())  # kept for the graphs' life
-    assert all(any(c is k for k in kept) for c in [first, second] + unnamed)
+    _capturing(monkeypatch)
+    first, second = launch.tile_counter(cpu), launch.tile_counter(cpu)
+    assert first is not eager and second is not first and first.tolist() == [0] == second.tolist()
+    split = FwdConfig(head_dim=128, persistent_ctas=132, cluster_m=2, split_tail=True)
+    arrivals, partials = launch.scheduler_workspace(split, cpu)
+    assert (arrivals.numel(), partials.numel()) == split.split_tail_workspace() and not arrivals.any()
+    assert launch.scheduler_workspace(split, cpu)[1].data_ptr() != partials.data_ptr()
+    gone = [weakref.ref(t) for t in (first, second, arrivals, partials)]
+    del first, second, arrivals, partials
+    gc.collect()
+    assert all(ref() is None for ref in gone), "the launcher kept a captured launch's buffer"
+    assert len(launch._STREAM_BUFFERS) == 1  # the eager counter only
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert launch.tile_counter(cpu) is eager
 
@@ -87,19 +88,3 @@ def test_one_split_workspace_per_stream_grows_for_every_size(monkeypatch):
     assert len(launch._STREAM_BUFFERS) == 1
     (held,) = launch._STREAM_BUFFERS.values()
     assert (held.counters.numel(), held.partials.numel()) == (39, 39000)
-
-
-def test_capture_gets_its_own_split_workspace(monkeypatch):
-    _one_stream(monkeypatch)
-    cpu = torch.device("cpu")
-    eager = launch.split_tail_buffers(cpu, 4, 100)
-    _capturing(monkeypatch, {"id": 3})
-    captured = launch.split_tail_buffers(cpu, 4, 100)
-    assert captured[1].data_ptr() != eager[1].data_ptr() and not captured[0].any()
-    (held,) = launch._GRAPH_BUFFERS.values()
-    assert held.partials.data_ptr() == captured[1].data_ptr()
-    # grown within the capture: the pair the graph's earlier launches use stays alive with the new one
-    grown = launch.split_tail_buffers(cpu, 8, 1000)
-    assert grown[1].data_ptr() != captured[1].data_ptr() and not grown[0].any()
-    assert [(c.data_ptr(), p.data_ptr()) for c, p in held.retired] == [(captured[0].data_ptr(), captured[1].data_ptr())]
-    assert launch.split_tail_buffers(cpu, 4, 100)[1].data_ptr() == grown[1].data_ptr()
