@@ -10,9 +10,9 @@ Who issues the reduce: with `BwdConfig.dq_warp` (the default, 1.01-1.29x faster 
 producer warpgroup that walks the same schedule (`write_dq`): a consumer warpgroup only writes its slab and arrives on
 DQ_FULL, and waits on DQ_EMPTY before writing the next one. Without it, the first warp of each consumer warpgroup.
 With `BwdConfig.dq_bulk_reduce` the slab leaves by a plain bulk reduce of its contiguous bytes instead of a TMA
-tensor reduce (the same bulk group, waits and turns). With `BwdConfig.dq_red` (head dim 256) there is no slab: every consumer thread adds its partial into `dQaccum` with
-16-byte vector reductions, in the same fragment order; in deterministic mode each warp waits for its turn and
-releases it itself (`red_dq`).
+tensor reduce (the same bulk group, waits and turns). With `BwdConfig.dq_red` (head dim 256) there is no slab: every
+consumer thread adds its partial into `dQaccum` with 16-byte vector reductions, in the same fragment order; in
+deterministic mode each warp waits for its turn and releases it itself (`red_dq`).
 
 The partial travels in fragment order (`fragment_order`): element i of consumer thread t's accumulator sits at
 (i // 4) * 512 + 4 t + i % 4 of its warpgroup's slab, in shared memory and in `dQaccum` alike, and the postprocess
