@@ -647,8 +647,8 @@ def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, bloc
     scalars = g.kernel_aux_scalar_values(aux_scalars) if g is not None else ()
     whole = tail_space = None
     if plan.tail is not None:  # the whole tiles' kernel stops at the cut ones
-        whole = plan.tail[:1]
         whole_tiles, parts, cut, floats, parts_kernel = plan.tail
+        whole = (whole_tiles,)
         tail_space = (whole_tiles, parts) + split_tail_buffers(dev, cut, floats)
     # (scheduling buffers before the first launch: under CUDA-graph capture their zeroing is a node of the graph, which
     # must not sit between two chained kernels)

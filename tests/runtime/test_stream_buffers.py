@@ -53,18 +53,20 @@ def test_each_captured_launch_gets_buffers_nothing_keeps(monkeypatch):
     _one_stream(monkeypatch)
     cpu = torch.device("cpu")
     eager = launch.tile_counter(cpu)
+    split = FwdConfig(head_dim=128, persistent_ctas=132, cluster_m=2, split_tail=True)
+    eager_split = launch.scheduler_workspace(split, cpu)
     _capturing(monkeypatch)
     first, second = launch.tile_counter(cpu), launch.tile_counter(cpu)
     assert first is not eager and second is not first and first.tolist() == [0] == second.tolist()
-    split = FwdConfig(head_dim=128, persistent_ctas=132, cluster_m=2, split_tail=True)
     arrivals, partials = launch.scheduler_workspace(split, cpu)
     assert (arrivals.numel(), partials.numel()) == split.split_tail_workspace() and not arrivals.any()
+    assert partials.data_ptr() != eager_split[1].data_ptr() and arrivals.data_ptr() != eager_split[0].data_ptr()
     assert launch.scheduler_workspace(split, cpu)[1].data_ptr() != partials.data_ptr()
     gone = [weakref.ref(t) for t in (first, second, arrivals, partials)]
     del first, second, arrivals, partials
     gc.collect()
     assert all(ref() is None for ref in gone), "the launcher kept a captured launch's buffer"
-    assert len(launch._STREAM_BUFFERS) == 1  # the eager counter only
+    assert len(launch._STREAM_BUFFERS) == 2  # the eager counter and split workspace only
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert launch.tile_counter(cpu) is eager
 
