@@ -144,8 +144,18 @@ class BwdConfig:
     dq_red: bool = False
     # The slab's reduce-add is a plain bulk copy (cp.reduce.async.bulk ... .add.f32 over its contiguous bytes) instead
     # of a TMA tensor reduce: the slab is one contiguous run of `dQaccum` either way, so no tensor map is needed to
-    # address it (FA4's sm90 backward adds its dQ partials this way).
+    # address it (FA4's sm90 backward adds its dQ partials this way). Timed in turns: main kernel 1.000-1.007x of the
+    # tensor reduce on causal, documents and dense D=128 and causal D=64 (bwd_dq_bulk_reduce_h200_2026-12-03.json);
+    # off.
     dq_bulk_reduce: bool = False
+    # Block-sparse with a mask_mod: a KV tile's partial and full query tiles are walked by two loops, each with its
+    # step compiled for that kind (as the forward does), instead of one loop whose step branches on the kind at run
+    # time: the full steps carry no mask code, no test and no pick between the two lists, at the price of a second
+    # copy of the step in the binary (SASS per full step at D=128 under a causal mask: 462 instructions, against 558
+    # for the branching loop). Timed in turns: main kernel 1.002-1.010x on causal D=128, 0.996-1.004x on documents,
+    # 0.999-1.001x on sliding window and causal D=64 (bwd_kind_loops_probe_h200_2026-12-03{,b}.json): inside the
+    # noise for a second copy of every masked step to compile; off.
+    kind_loops: bool = False
     # Block-sparse only: partial blocks read their mask from bits stored by the launcher (`runtime.mask_bits`, rows =
     # keys, 64 or 128 query columns) instead of evaluating mask_mod; chosen where the forward's are
     # (`kernels.config.STORE_MASK_BITS`: masks that read captured tensors).
@@ -460,6 +470,8 @@ def candidate_bwd_configs(head_dim: int, deterministic: bool = False, mod_grads:
         del cands["neither"]
     # (outside deterministic mode for block-sparse rows only: the launcher drops it without a block mask)
     cands["natural_order" if base.lpt_order else "lpt_order"] = replace(base, lpt_order=not base.lpt_order)
+    if q_block is not None:  # (the launcher drops it without a block mask and a mask_mod: one kind of step there)
+        cands["kind_branch" if base.kind_loops else "kind_loops"] = replace(base, kind_loops=not base.kind_loops)
     if head_dim == 64:
         rows128 = replace(base, tile_m=128, dq_split_rows=True)
         if base.tile_m == 128:

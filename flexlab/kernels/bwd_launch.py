@@ -566,6 +566,8 @@ def _build_plan(q, k, entry, cfg: BwdConfig, block_mask, block_size, determinist
     masks = walk = bits = tile_order = None
     if not block_mask and cfg.lpt_order and not deterministic:  # (without block lists all tiles are alike)
         cfg = replace(cfg, lpt_order=False)
+    if cfg.kind_loops and not (block_mask and g is not None and g.has_mask_mod):  # (one kind of step: one loop)
+        cfg = replace(cfg, kind_loops=False)
     turns = deterministic and cfg.lpt_order  # the launcher's turn order (`turn_tile_order`)
     # listed Q tiles may run past Sq up to a mask block
     pad = math.lcm(cfg.tile_m, int(block_size[0])) if block_mask else cfg.tile_m

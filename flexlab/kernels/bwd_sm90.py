@@ -564,12 +564,23 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
                 tdQs, tdQg = self.reduce_operands(tma_dq, sdQ_mine, self.dq_slabs(mdQ, head, batch))
             order = (mdQsem, mRank, sched.b, sched.h, n_block)
             mods = (batch, head, seqlen_q - 1, seqlen_k - 1, softmax_scale, aux_tensors, aux_scalars, aux_grads, order)
-            for i in cutlass.range(sched.total, unroll=1):
-                self.step(sched.block(i), i < sched.num_partial, i, state, ds_index, ops, acc_dK, acc_dV, tdQs, tdQg,
-                          tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_qdo, mLSE2, mDpsum, kv_start,
-                          seqlen_k, log2_scale, mods, wg)
-                state.advance()
-                ds_index = 1 - ds_index
+            step_args = (ops, acc_dK, acc_dV, tdQs, tdQg, tma_dq, tiled_mma_sdp, tiled_mma_dkv, tiled_mma_dq, pipe_qdo,
+                         mLSE2, mDpsum, kv_start, seqlen_k, log2_scale, mods, wg)
+            if cutlass.const_expr(self.cfg.kind_loops and sparse is not None and self.mask_mod is not None):
+                # the partial tiles (listed first), then the full ones: each loop's step compiled for its kind
+                for i in cutlass.range(sched.num_partial, unroll=1):
+                    self.step(sched.block_of_kind(i, True), True, i, state, ds_index, *step_args)
+                    state.advance()
+                    ds_index = 1 - ds_index
+                for i in cutlass.range(sched.num_partial, sched.total, unroll=1):
+                    self.step(sched.block_of_kind(i, False), False, i, state, ds_index, *step_args)
+                    state.advance()
+                    ds_index = 1 - ds_index
+            else:
+                for i in cutlass.range(sched.total, unroll=1):
+                    self.step(sched.block(i), i < sched.num_partial, i, state, ds_index, *step_args)
+                    state.advance()
+                    ds_index = 1 - ds_index
         return state, ds_index
 
     @cute.jit

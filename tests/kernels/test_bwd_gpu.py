@@ -148,34 +148,58 @@ def test_persistent_ctas_match_one_tile_per_cta(D, sparse, monkeypatch):
         assert grad_error(a, b) < GRAD_TOL, f"{n}: error {grad_error(a, b):.2e}"
 
 
-@needs_hopper
-@pytest.mark.parametrize("D,sparse,deterministic", [(128, False, False), (128, True, False), (64, True, False),
-                                                    (128, True, True)])
-def test_dq_bulk_reduce_matches_the_tensor_reduce(D, sparse, deterministic, monkeypatch):
-    """`BwdConfig.dq_bulk_reduce` (each dQ slab added by a plain bulk reduce) against the TMA tensor reduce on the
-    same inputs: dK and dV the same bits, dQ within rounding (bitwise in deterministic mode, whose order is fixed),
-    and against float64. GQA, ragged lengths (the padded last Q tile), a causal block mask."""
+def _option_against_default(field, D, mask_mod, deterministic, monkeypatch):
+    """The backward with `BwdConfig.<field>` flipped against the launcher's setting on the same inputs: dK and dV the
+    same bits (the same steps in the same order), dQ within rounding (bitwise in deterministic mode, whose order is
+    fixed), and both against float64. GQA, ragged lengths (the padded last Q tile), `mask_mod` as a block mask."""
     from dataclasses import replace
 
     from flexlab.kernels import bwd_launch
     Sq, Skv = 1000, 1100
-    bm = flexlab.create_block_mask(lambda b, h, qi, kv: qi >= kv, 1, 1, Sq, Skv, device="cuda") if sparse else None
+    bm = flexlab.create_block_mask(mask_mod, 1, 1, Sq, Skv, device="cuda") if mask_mod is not None else None
     q, k, v = random_qkv(2, 8, Sq, Skv, D, torch.bfloat16, "cuda", Hkv=2, requires_grad=True)
     dout = torch.randn(2, 8, Sq, D, device="cuda", dtype=torch.bfloat16)
     default = bwd_launch._config
     grads = {}
-    for bulk in (False, True):
-        def config(*args, bulk=bulk):
-            return replace(default(*args), dq_bulk_reduce=bulk).validate()
+    for flip in (False, True):
+        def config(*args, flip=flip):
+            cfg = default(*args)
+            return replace(cfg, **{field: getattr(cfg, field) != flip}).validate()
         monkeypatch.setattr(bwd_launch, "_config", config)
         bwd_launch._PLANS.clear()  # (planned once per signature, with the configuration of that time)
-        grads[bulk] = _backward(q, k, v, None, bm, [], dout, True, deterministic=deterministic)
+        grads[flip] = _backward(q, k, v, None, bm, [], dout, True, deterministic=deterministic)
     (dq, dk, dv), (t_dq, t_dk, t_dv) = grads[True], grads[False]
     assert torch.equal(dk, t_dk) and torch.equal(dv, t_dv)
     assert torch.equal(dq, t_dq) if deterministic else rel_l2(dq, t_dq) < 1e-4
     for n, a, b in zip(("dq", "dk", "dv"), grads[True], _reference_grads(q, k, v, None, bm, [], dout, True)):
         assert not torch.isnan(a).any(), f"NaN in {n}"
         assert grad_error(a, b) < GRAD_TOL, f"{n}: error {grad_error(a, b):.2e}"
+
+
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def _documents(b, h, q_idx, kv_idx):  # documents of 300 tokens: partial blocks on and off the diagonal
+    return (q_idx // 300 == kv_idx // 300) & (q_idx >= kv_idx)
+
+
+@needs_hopper
+@pytest.mark.parametrize("D,sparse,deterministic", [(128, False, False), (128, True, False), (64, True, False),
+                                                    (128, True, True)])
+def test_dq_bulk_reduce_matches_the_tensor_reduce(D, sparse, deterministic, monkeypatch):
+    """`BwdConfig.dq_bulk_reduce` (each dQ slab added by a plain bulk reduce) against the TMA tensor reduce."""
+    _option_against_default("dq_bulk_reduce", D, _causal if sparse else None, deterministic, monkeypatch)
+
+
+@needs_hopper
+@pytest.mark.parametrize("D,mask,deterministic", [(128, "causal", False), (64, "causal", False),
+                                                  (128, "documents", False), (64, "documents", True),
+                                                  (128, "documents", True)])
+def test_kind_loops_match_one_loop(D, mask, deterministic, monkeypatch):
+    """`BwdConfig.kind_loops` (partial and full query tiles walked by a loop each) against one loop that branches."""
+    _option_against_default("kind_loops", D, {"causal": _causal, "documents": _documents}[mask], deterministic,
+                            monkeypatch)
 
 
 @needs_hopper

@@ -148,6 +148,12 @@ CELLS = [  # (name, head dim, options, kernel flavour): each option in a few fla
     ("dq_bulk_reduce_in_consumers-mask-d64", 64, dict(dq_bulk_reduce=True, dq_warp=False), "mask"),
     ("dq_bulk_reduce-det_mask", 128, dict(dq_bulk_reduce=True), "det_mask"),
     ("dq_bulk_reduce-persistent-mask-d64", 64, dict(dq_bulk_reduce=True, persistent_ctas=132), "mask"),
+    # a loop per kind of query tile: partial steps, then full steps
+    ("kind_loops-mask", 128, dict(kind_loops=True), "mask"),
+    ("kind_loops-mask-d64", 64, dict(kind_loops=True), "mask"),
+    ("kind_loops-det_mask", 128, dict(kind_loops=True), "det_mask"),
+    ("kind_loops-bias", 128, dict(kind_loops=True), "bias"),
+    ("kind_loops-persistent-mask-d64", 64, dict(kind_loops=True, persistent_ctas=132), "mask"),
 ]
 
 
@@ -345,3 +351,29 @@ def test_bwd_sweep_table_prefers_times_taken_in_turns():
     assert "a                          default" in text.split("fastest")[1]
     _attach_interleaved(records, {"row": "b", "error": "RuntimeError: boom"})
     assert records[3]["interleaved_error"] == "RuntimeError: boom"
+
+
+@needs_ptxas
+@pytest.mark.parametrize("D", [64, 128])
+def test_kind_loops_compile_the_full_steps_without_mask_code(D):
+    """`BwdConfig.kind_loops`: two step loops where the default has one, and the full-block loop is shorter than the
+    default's loop by at least the causal mask's per-score compares and selects (one of each per score of the
+    thread: tile_n * tile_m / 256), which only the partial-block loop keeps."""
+    from dataclasses import replace
+
+    from flexlab.kernels.bwd_config import default_bwd_config
+    from flexlab.viz.compile_report import report_from_ptx
+
+    def step_loops(cfg):
+        loops = report_from_ptx(_compile(cfg, "mask")[0]).gemm_loops
+        return [sum(c.values()) for c in loops if c.get("MUFU.EX2")]
+    base = default_bwd_config(D, q_block=128)
+    one = step_loops(base)
+    two = step_loops(replace(base, kind_loops=True))
+    # (the loop over the query heads of a GQA group encloses the step loops: listed after them, and longest)
+    assert len(two) == len(one) + 1, (one, two)
+    partial, full = two[0], two[1]
+    scores = base.tile_n * base.tile_m // 256
+    assert full + scores <= min(one), (one, two)
+    assert full < partial, (one, two)
+
