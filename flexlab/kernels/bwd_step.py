@@ -60,8 +60,8 @@ class BwdStep:
 
         `partial`: the block mask lists this tile as partial, so mask_mod applies: a runtime Boolean (a branch,
         which keeps one copy of the step in the binary instead of one per block kind), or with `kind_loops` a
-        Python bool fixed at trace time; `position`: its place in the partial list (where its stored mask bits are,
-        with `mask_bits`)."""
+        Python bool, which the DSL resolves at trace time; `position`: its place in the partial list (where its
+        stored mask bits are, with `mask_bits`)."""
         batch, head, q_last, kv_last, softmax_scale, aux_tensors, aux_scalars, aux_grads, order = mods
         q_start = m_block * self.tile_m
         coords = ops.coords
@@ -81,23 +81,17 @@ class BwdStep:
         if cutlass.const_expr(ops.stored is not None and self.mask_mod is not None):
             # the stored bits of a partial block, loaded while S^T is on the tensor cores
             words = cute.make_rmem_tensor(FRAGMENT_ROWS, cutlass.Uint32)
-            if cutlass.const_expr(isinstance(partial, bool)):
-                if cutlass.const_expr(partial):
-                    self.load_stored_bits(words, ops, batch, head, position)
-            elif partial:
-                self.load_stored_bits(words, ops, batch, head, position)
+            if partial:
+                bits, n_block, row, word = ops.stored
+                load_fragment_bits(words, bits, batch, head, n_block, position, row, word)
         keep_bits = None
         if cutlass.const_expr(early_mask):
             # mask_mod into bit masks while S^T is on the tensor cores: the loads of captured tensors it reads then
             # wait behind the GEMM, not in front of the softmax (FwdConfig.mask_early, the same in the forward).
             keep_bits = cute.make_rmem_tensor(-(-cute.size(acc_S) // 32), cutlass.Uint32)
-            bit_args = (keep_bits, coords, self.mask_mod, batch, head, q_start, kv_start, q_last, kv_last,
-                        self.clamp_indices, aux_tensors, aux_scalars)
-            if cutlass.const_expr(isinstance(partial, bool)):
-                if cutlass.const_expr(partial):
-                    mask_mod_bits(*bit_args)
-            elif partial:
-                mask_mod_bits(*bit_args)
+            if partial:
+                mask_mod_bits(keep_bits, coords, self.mask_mod, batch, head, q_start, kv_start, q_last, kv_last,
+                              self.clamp_indices, aux_tensors, aux_scalars)
         if cutlass.const_expr(not self.lean):
             warpgroup.wait_group(1)  # S^T is ready; dP^T is still on the tensor cores
         else:
@@ -111,13 +105,14 @@ class BwdStep:
             apply_score_mod(acc_S, coords, self.score_mod, softmax_scale, batch, head, q_start, kv_start, q_last,
                             kv_last, self.clamp_indices, aux_tensors, aux_scalars)
         if cutlass.const_expr(self.mask_mod is not None):
-            mask_args = (acc_S, words, keep_bits, coords, batch, head, q_start, kv_start, q_last, kv_last,
-                         aux_tensors, aux_scalars)
-            if cutlass.const_expr(isinstance(partial, bool)):
-                if cutlass.const_expr(partial):
-                    self.mask_partial(*mask_args)
-            elif partial:
-                self.mask_partial(*mask_args)
+            if partial:
+                if cutlass.const_expr(words is not None):
+                    apply_fragment_bits(acc_S, words)
+                elif cutlass.const_expr(early_mask):
+                    apply_mask_bits(acc_S, keep_bits)
+                else:
+                    apply_mask_mod(acc_S, coords, self.mask_mod, batch, head, q_start, kv_start, q_last, kv_last,
+                                   self.clamp_indices, aux_tensors, aux_scalars)
         if kv_start + self.tile_n > seqlen_k:
             mask_kv_tail(acc_S, coords, kv_start, seqlen_k)
 
@@ -202,25 +197,6 @@ class BwdStep:
             wgmma(tiled_mma_dq, acc_dQ, *self.dq_operands(ops, ds_stage), True, 0)
             pipe_qdo.consumer_release(state)
             self.reduce_dq(acc_dQ, ops.dq_store_view(), tdQs, tdQg, tma_dq, m_block, order, batch, head, wg)
-
-    @cute.jit
-    def mask_partial(self, acc_S, words, keep_bits, coords, batch: Int32, head: Int32, q_start: Int32,
-                     kv_start: Int32, q_last: Int32, kv_last: Int32, aux_tensors, aux_scalars):
-        """mask_mod on a partial block's scores: from its stored bits (`mask_bits`), from the bits evaluated during
-        the S^T GEMM (`mask_early`), or evaluated here."""
-        if cutlass.const_expr(words is not None):
-            apply_fragment_bits(acc_S, words)
-        elif cutlass.const_expr(keep_bits is not None):
-            apply_mask_bits(acc_S, keep_bits)
-        else:
-            apply_mask_mod(acc_S, coords, self.mask_mod, batch, head, q_start, kv_start, q_last, kv_last,
-                           self.clamp_indices, aux_tensors, aux_scalars)
-
-    @cute.jit
-    def load_stored_bits(self, words, ops: StepOperands, batch: Int32, head: Int32, position: Int32):
-        """This thread's words of the stored mask bits of partial block `position` (`mask_bits`)."""
-        bits, n_block, row, word = ops.stored
-        load_fragment_bits(words, bits, batch, head, n_block, position, row, word)
 
     def dq_operands(self, ops: StepOperands, ds_stage: Int32) -> tuple:
         """(A, B) of the dQ GEMM: dS and K^T, or K^T and dS for the transposed dQ^T = K^T dS^T (`dq_swap_ab`)."""
