@@ -4,7 +4,7 @@
         --section WarpStateStats ... python tests/kernels/ncu_step.py causal 4 4096 128
 
 Each backend runs the step twice (the first compiles); profile the second with `--launch-skip`/`--launch-count` or
-keep both. The peer (fifth argument) is `fa4` (flash_attn.cute called directly; runs only when it imports and spells
+keep both. `--forward` (anywhere in the arguments) runs the forward alone, without autograd. The peer (fifth argument) is `fa4` (flash_attn.cute called directly; runs only when it imports and spells
 the variant) or `flex-flash` (torch's flex_attention with BACKEND=FLASH, FA4's kernels with its block-sparse tiles).
 """
 from __future__ import annotations
@@ -14,28 +14,34 @@ import sys
 import torch
 
 
-def main(variant: str = "dense", B: int = 4, S: int = 4096, D: int = 128, peer: str = "fa4", H: int = 16) -> None:
+def main(variant: str = "dense", B: int = 4, S: int = 4096, D: int = 128, peer: str = "fa4", H: int = 16,
+         forward_only: bool = False) -> None:
     import flexlab
     from flexlab.bench.cases import build_case
     from flexlab.bench.peers import Unavailable, prepare_fa4, prepare_flex_flash
 
     case = build_case(variant, B, H, S, "cuda")
     bm = flexlab.create_block_mask(case.mask_mod, None, None, S, S, device="cuda") if case.mask_mod else None
-    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grad = not forward_only
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16, requires_grad=grad) for _ in range(3))
     dout = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
     for _ in range(2):
-        flexlab.flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm, backend="cute").backward(dout)
+        out = flexlab.flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm, backend="cute")
+        if grad:
+            out.backward(dout)
     torch.cuda.synchronize()
     try:
-        prep = (prepare_flex_flash if peer == "flex-flash" else prepare_fa4)(case, q, k, v, bm, True)
+        prep = (prepare_flex_flash if peer == "flex-flash" else prepare_fa4)(case, q, k, v, bm, grad)
     except Unavailable as e:
         print(f"{peer}:", e)
         return
     for _ in range(2):
-        prep.call().backward(prep.from_bhsd(dout))
+        out = prep.call()
+        if grad:
+            out.backward(prep.from_bhsd(dout))
     torch.cuda.synchronize()
 
 
 if __name__ == "__main__":
-    a = sys.argv[1:]
-    main(a[0] if a else "dense", *(int(x) for x in a[1:4]), *a[4:5])
+    a = [x for x in sys.argv[1:] if x != "--forward"]
+    main(a[0] if a else "dense", *(int(x) for x in a[1:4]), *a[4:5], forward_only="--forward" in sys.argv)

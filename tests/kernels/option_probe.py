@@ -1,14 +1,17 @@
 """H200 probe of one kernel option (a boolean `BwdConfig` field, or with --forward a `FwdConfig` field; not a test):
 forward + backward per call with the field as the launcher sets it and flipped, in turns, on benchmark rows.
 
-    python tests/kernels/option_probe.py OUT.json --field chained_launch [--forward] [--rounds 11] [--rows 0,1,5]
+    python tests/kernels/option_probe.py OUT.json --field chained_launch [--forward [--forward-only]]
+        [--rounds 11] [--rows 0,1,5]
 
 (--rounds 0 compiles and compares only: run one process per row that way first to compile in parallel.)
 
 Each sample times 8 calls of the forward + backward with CUDA events, back to back as a training loop runs them
 (every kernel and every gap between kernels counted), 8 calls of the backward alone and 8 of the forward alone. The
 variants take turns in a rotated order and the median over rounds is reported with the speed-up of the launcher's
-setting over the flipped one. Before timing, both variants' dQ, dK and dV are compared on the same inputs (rel-L2, NaN).
+setting over the flipped one, both as a ratio of medians and as the median of each round's ratio ("paired", which
+the clock's drift over a row does not move); `--forward-only` times the forward alone. Before timing, both variants'
+dQ, dK and dV are compared on the same inputs (rel-L2, NaN).
 """
 from __future__ import annotations
 
@@ -21,7 +24,10 @@ import torch
 
 ROWS = [("sliding_window", 1, 16384, 128), ("document", 1, 16384, 128), ("sliding_window", 4, 4096, 128),
         ("document", 4, 4096, 128), ("causal", 4, 4096, 128), ("causal", 1, 16384, 128), ("dense", 4, 4096, 128),
-        ("sliding_window", 1, 16384, 64), ("document", 1, 16384, 64), ("causal", 1, 16384, 64)]
+        ("sliding_window", 1, 16384, 64), ("document", 1, 16384, 64), ("causal", 1, 16384, 64),
+        ("dense", 1, 16384, 128), ("dense", 4, 4096, 64), ("dense", 4, 4096, 256), ("causal", 4, 4096, 256),
+        ("alibi_causal", 4, 4096, 128), ("softcap_causal", 4, 4096, 128), ("sliding_window", 4, 4096, 256),
+        ("causal", 1, 16384, 256)]
 CALLS = 8
 
 
@@ -42,8 +48,10 @@ def ms_per_call(fn, calls: int = CALLS) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--field", required=True, help="a boolean BwdConfig field (FwdConfig with --forward)")
+    ap.add_argument("--field", required=True, help="a boolean BwdConfig field (FwdConfig with --forward); several, "
+                    "comma-separated, flip together")
     ap.add_argument("--forward", action="store_true", help="flip the field in the forward kernel's configuration")
+    ap.add_argument("--forward-only", action="store_true", help="time the forward alone (a forward option)")
     ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--rows", default=None, help="comma-separated indices into ROWS (default: all)")
     args = ap.parse_args()
@@ -54,18 +62,28 @@ def main() -> None:
     from flexlab.runtime import launch as fwd_launch
     from flexlab.testing import rel_l2
 
-    # the function that hands the launcher its configuration, and where it lives
-    module, name = (fwd_launch, "scheduled") if args.forward else (bwd_launch, "_config")
-    launcher = getattr(module, name)
+    # the function that hands the launcher its configuration, and where it lives (`hook`: the loops below bind
+    # `name` to variant names)
+    module, hook = (fwd_launch, "scheduled") if args.forward else (bwd_launch, "_config")
+    launcher = getattr(module, hook)
+
+    fields = args.field.split(",")
+
+    asked = [0]  # how often the launcher took the flipped configuration (0: the probe would time one kernel twice)
+    made = {}  # one flipped object per configuration: the launchers key their plans by the object's identity, so a
+    # new one per call would rebuild the plan on every call and charge the flipped variant host time
 
     def flipped(*a, **k):
+        asked[0] += 1
         cfg = launcher(*a, **k)
-        return replace(cfg, **{args.field: not getattr(cfg, args.field)})
+        if cfg not in made:
+            made[cfg] = replace(cfg, **{f: not getattr(cfg, f) for f in fields})
+        return made[cfg]
     variants = {"launcher": launcher, "flipped": flipped}
     names = list(variants)
 
     def use(variant):
-        setattr(module, name, variants[variant])
+        setattr(module, hook, variants[variant])
         bwd_launch._PLANS.clear()
         fwd_launch._PLANS.clear()
         api._WARM.clear()  # (the warm paths hold their plans)
@@ -89,8 +107,10 @@ def main() -> None:
             for name in names:
                 use(name)
                 grads[name] = torch.autograd.grad(forward(), (q, k, v), dout)
+            if not asked[0]:
+                raise SystemExit(f"{row}: the launcher never took the flipped configuration; nothing to compare")
             setting = None if args.forward else getattr(
-                launcher(D, False, False, None if bm is None else bm.BLOCK_SIZE[0]), args.field)
+                launcher(D, False, False, None if bm is None else bm.BLOCK_SIZE[0]), fields[0])
             errors = {n: rel_l2(a, b) for n, a, b in zip(("dq", "dk", "dv"), grads["launcher"], grads["flipped"])}
             nan = any(torch.isnan(t).any().item() for g in grads.values() for t in g)
             del grads
@@ -99,29 +119,36 @@ def main() -> None:
                 print(row, f"{args.field}={setting}", " ".join(f"{n} {e:.1e}" for n, e in errors.items()),
                       "NaN" if nan else "", flush=True)
                 continue
-            parts = ("fwd+bwd", "bwd", "fwd")
+            parts = ("fwd",) if args.forward_only else ("fwd+bwd", "bwd", "fwd")
             times = {f"{n} {part}": [] for n in names for part in parts}
             for r in range(args.rounds):
                 for name in names[r % len(names):] + names[:r % len(names)]:
                     use(name)
-                    # (autograd.grad: no .grad accumulation kernels between the calls)
-                    times[f"{name} fwd+bwd"].append(
-                        ms_per_call(lambda: torch.autograd.grad(forward(), (q, k, v), dout)))
-                    out = forward()
-                    times[f"{name} bwd"].append(
-                        ms_per_call(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)))
+                    if not args.forward_only:
+                        # (autograd.grad: no .grad accumulation kernels between the calls)
+                        times[f"{name} fwd+bwd"].append(
+                            ms_per_call(lambda: torch.autograd.grad(forward(), (q, k, v), dout)))
+                        out = forward()
+                        times[f"{name} bwd"].append(
+                            ms_per_call(lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)))
                     with torch.no_grad():
                         times[f"{name} fwd"].append(ms_per_call(forward))
             median = {n: statistics.median(t) for n, t in times.items()}
             speedup = {part: median[f"flipped {part}"] / median[f"launcher {part}"] for part in parts}
+            # the same ratio taken within each round, then the median over rounds: both variants of a round ran
+            # within a second, so the clock's drift over the row (up to 10% on the H200) cancels
+            paired = {part: statistics.median(f / b for f, b in zip(times[f"flipped {part}"],
+                                                                    times[f"launcher {part}"])) for part in parts}
             results[row] = {"launcher_setting": setting, "median_ms": median, "speedup_of_launcher": speedup,
+                            "paired_speedup_of_launcher": paired,
                             "rel_l2_launcher_vs_flipped": errors, "nan": nan, "rounds_ms": times}
             print(row, f"{args.field}={setting}", " ".join(f"{n}={m:.4f}" for n, m in median.items()),
                   " ".join(f"speedup {p} {x:.3f}" for p, x in speedup.items()),
+                  " ".join(f"paired {p} {x:.3f}" for p, x in paired.items()),
                   " ".join(f"{n} {e:.1e}" for n, e in errors.items()), "NaN" if nan else "", flush=True)
             torch.cuda.empty_cache()
     finally:
-        setattr(module, name, launcher)
+        setattr(module, hook, launcher)
         with open(args.out, "w") as f:
             json.dump({"field": args.field, "forward": args.forward, "calls_per_sample": CALLS, "rounds": args.rounds,
                        "rows": results}, f, indent=1)
