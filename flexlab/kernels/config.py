@@ -102,6 +102,12 @@ D64_BITS_TILE192_MIN_MEAN_KV_BLOCKS = 6.0
 # D=64 causal 1.02x, soft-cap 1.00x, documents 0.99x. The plain dense kernels, which ptxas already schedules that
 # way, stay as they are (0.98-0.99x with it).
 ANCHORED_RELEASE = True
+# Head dims from which the forward rescales O lazily (`FwdConfig.lazy_rescale`; 0: never): a warp leaves its softmax
+# reference max, and O, alone until some row's max outgrows it by 2^8. H200, forward timed in turns, the median of
+# each round's ratio (benchmarks/results/fwd_lazy_rescale_probe_h200_2026-12-03.json): D=256 1.07x dense and 1.10x
+# causal at B4·S4k; D=128 1.02x dense and causal at B4·S4k, 1.01x at B1·S16k (dense, causal, sliding window);
+# D=64 causal B1·S16k 0.99x, where the rescale is 32 multiplies per thread and step.
+LAZY_RESCALE_MIN_HEAD_DIM = 128
 
 
 @dataclass(frozen=True)
@@ -129,6 +135,10 @@ class FwdConfig:
     dynamic_tiles: bool = False
     exp2_poly: int = 0  # of every 8 scores of a row fragment, how many take exp2 as an FMA polynomial, not MUFU
     rescale_before_pv: bool = False  # rescale O by the previous row scale while QK runs (FA4 does it for D>128)
+    # A warp moves its rows' softmax reference max only when some row's max outgrew it by 2^8, and skips the O rescale
+    # (head_dim / 2 multiplies per thread) in every other step (`softmax.OnlineSoftmax`, lazy rescaling). The
+    # rescale stays unconditional with `rescale_before_pv`.
+    lazy_rescale: bool = False
     early_block_index: bool = False  # read the next KV block index before waiting on its K (block-sparse)
     # Partial blocks: mask_mod into bit masks while the QK GEMM runs (reads the block index early too). H200,
     # 2026-11-30: 0.98x on the document rows, 1.01-1.02x on sliding windows
@@ -291,21 +301,28 @@ def default_config(head_dim: int, block_sparse: bool = False, has_score_mod: boo
     default 128 block size unless `D64_SPARSE_TILE_M` says 128; a score_mod's extra registers spill at 160 per
     thread, so it gets 128-row tiles, and so do mods that read captured tensors (`captured_tensors`: a document mask
     at 192 rows spills 56 bytes, the clamped gathers' addresses). Dense D=64 and D=128 also pair CTAs into K/V
-    multicast clusters (`D64_DENSE_CLUSTER_M`, `D128_DENSE_CLUSTER_M`).
+    multicast clusters (`D64_DENSE_CLUSTER_M`, `D128_DENSE_CLUSTER_M`). D=128 and D=256 rescale O lazily
+    (`LAZY_RESCALE_MIN_HEAD_DIM`).
     """
-    anchored = anchored_options(head_dim, block_sparse or has_score_mod)
+    opts = anchored_options(head_dim, block_sparse or has_score_mod) | lazy_options(head_dim)
     if head_dim <= 64:
         if not block_sparse and not has_score_mod:  # H200, B4 S4k: 496 TFLOP/s vs 465 with 2 stages, 430 at 128 rows
             return FwdConfig(head_dim=64, tile_m=192, tile_n=128, num_stages=3, cluster_m=D64_DENSE_CLUSTER_M)
         if block_sparse and not has_score_mod and not captured_tensors and D64_SPARSE_TILE_M == 192:
-            return FwdConfig(head_dim=64, tile_m=192, tile_n=128, num_stages=3, **anchored)
-        return FwdConfig(head_dim=64, tile_m=128, tile_n=128, num_stages=2, **anchored)
+            return FwdConfig(head_dim=64, tile_m=192, tile_n=128, num_stages=3, **opts)
+        return FwdConfig(head_dim=64, tile_m=128, tile_n=128, num_stages=2, **opts)
     if head_dim <= 128:  # H200, B1 S16k: 633 TFLOP/s; tile_n=176 gave 635 (noise)
         dense = {} if block_sparse or has_score_mod else {"cluster_m": D128_DENSE_CLUSTER_M}
-        return FwdConfig(head_dim=128, tile_m=128, tile_n=128, num_stages=d128_stages(seqlen_k), **anchored, **dense)
+        return FwdConfig(head_dim=128, tile_m=128, tile_n=128, num_stages=d128_stages(seqlen_k), **opts, **dense)
     # D=256: 80-key tiles fill shared memory with two stages; dense 1.01-1.03x of 64 at B4·S4k and B1·S16k, equal at
     # B8·S1k (benchmarks/results/fwd_d256_tile_n{64,80}_h200_2026-12-01.json). A block mask needs a divisor of 128.
-    return FwdConfig(head_dim=256, tile_m=128, tile_n=64 if block_sparse else 80, num_stages=2)
+    return FwdConfig(head_dim=256, tile_m=128, tile_n=64 if block_sparse else 80, num_stages=2, **lazy_options(256))
+
+
+def lazy_options(head_dim: int) -> dict:
+    """`FwdConfig` fields of lazy softmax rescaling (`LAZY_RESCALE_MIN_HEAD_DIM`) where it applies, else none."""
+    bound = LAZY_RESCALE_MIN_HEAD_DIM
+    return {"lazy_rescale": True} if bound and head_dim >= bound else {}
 
 
 def anchored_options(head_dim: int, wanted: bool) -> dict:

@@ -436,7 +436,8 @@ class FlexFwdSm90:
         s_shape = wg_mma_qk.partition_shape_C((self.tile_m, self.tile_n))
         coords = thr_mma_qk.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
         num_rows = cute.size(rows_view(acc_O), mode=[0])
-        softmax = OnlineSoftmax(log2_scale, num_rows, self.cfg.exp2_poly, not self.ablated("exp2"))
+        softmax = OnlineSoftmax(log2_scale, num_rows, self.cfg.exp2_poly, not self.ablated("exp2"),
+                                self.cfg.lazy_rescale)
         row_scale = cute.make_rmem_tensor(num_rows, Float32)
         stored = None  # (bits, this thread's first accumulator row, its word of a stored row = lane % 4)
         if cutlass.const_expr(bits is not None):
@@ -622,15 +623,22 @@ class FlexFwdSm90:
         self.mod_scores(acc_S, coords, n_block, seqlen_k, mods, use_mask_mod and not early_mask, False, words)
         if cutlass.const_expr(early_mask):
             apply_mask_bits(acc_S, keep_bits)
+        moved = None
         if cutlass.const_expr(with_softmax):
-            softmax.step(acc_S, row_scale)
+            # (partial blocks rescale eagerly: a heavy inline mask spilled more with the vote's registers, and with
+            # stored bits ptxas hoisted the P.V wait above the exponentials again; they are a few steps of a tile)
+            moved = softmax.step(acc_S, row_scale, use_mask_mod)
         if cutlass.const_expr(anchored):
             release_after(pipe_k, state, acc_S[0])  # once the first probability is known
         warpgroup.wait_group(0)
         pipe_v.consumer_release(prev)
         convert_to_16bit(as_operand_a(acc_S), tOrP)
         if cutlass.const_expr(with_softmax and not self.cfg.rescale_before_pv):
-            rescale_rows(acc_O, row_scale)
+            if cutlass.const_expr(moved is None):
+                rescale_rows(acc_O, row_scale)
+            else:
+                if moved:  # lazy rescaling: while no row of this warp moves its reference, every row_scale is 1
+                    rescale_rows(acc_O, row_scale)
         return state
 
     def stored_words(self, stored, position: Int32, partial: cutlass.Constexpr[bool]):

@@ -8,6 +8,13 @@ reduced with two shuffles; row sums stay thread-local until `finalize`.
 16K exponentials take as long as its two GEMMs. `exp2_fma` computes 2^x on the FMA pipe instead (a floor by rounded
 add, a cubic for the fraction, the integer part added into the exponent bits), so a kernel can move part of the
 exponentials off MUFU (`FwdConfig.exp2_poly`).
+
+Lazy rescaling (`FwdConfig.lazy_rescale`): the max that exponentials subtract is a reference, not necessarily the
+true running max. A warp moves its rows' references only when some row's max grew by more than
+`RESCALE_THRESHOLD` (in log2 units) over its reference; otherwise probabilities may reach 2^RESCALE_THRESHOLD,
+which fp32 sums and 16-bit P hold at full relative precision, and the O accumulator is left alone. After the first
+few KV blocks a row's max rarely jumps that far, so most steps skip the O rescale: head_dim / 2 multiplies per thread
+per step (128 at D=256). O / l and the log-sum-exp are exact for any reference.
 """
 from __future__ import annotations
 
@@ -15,7 +22,7 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -26,6 +33,9 @@ from .layout import rows_view
 # continuous where floor(x) steps (coefficients fitted by linear programming on 4001 points, rounded to fp32).
 EXP2_POLY = (0.6954241991043091, 0.22630836069583893, 0.07826747000217438)
 _ROUND_MAGIC = 12582912.0  # 1.5 * 2^23: adding it leaves floor(x) in the low mantissa bits (|x| < 2^22)
+# Lazy rescaling: how far (log2 units) a row's max may outgrow its reference before the warp moves it; 2^8 = 256 is
+# the most a probability then reaches.
+RESCALE_THRESHOLD = 8.0
 
 
 class OnlineSoftmax(Carried):
@@ -33,14 +43,16 @@ class OnlineSoftmax(Carried):
 
     _FIELDS = ("log2_scale", "row_max", "row_sum")
 
-    def __init__(self, log2_scale: Float32, num_rows: int, exp2_poly: int = 0, exp2: bool = True):
+    def __init__(self, log2_scale: Float32, num_rows: int, exp2_poly: int = 0, exp2: bool = True, lazy: bool = False):
         """`exp2_poly`: of every 8 scores of a row fragment, how many use `exp2_fma` instead of MUFU; `exp2=False`
-        drops the exponential altogether (a timing ablation: probabilities are then wrong)."""
+        drops the exponential altogether (a timing ablation: probabilities are then wrong); `lazy`: lazy rescaling
+        (module docstring)."""
         self.log2_scale = log2_scale
         self.row_max = cute.make_rmem_tensor(num_rows, Float32)
         self.row_sum = cute.make_rmem_tensor(num_rows, Float32)
         self.exp2_poly = exp2_poly  # trace-time constants, not carried as IR values
         self.exp2 = exp2
+        self.lazy = lazy
 
     @cute.jit
     def reset(self):
@@ -48,17 +60,31 @@ class OnlineSoftmax(Carried):
         self.row_sum.fill(0.0)
 
     @cute.jit
-    def step(self, acc_s: cute.Tensor, row_scale: cute.Tensor):
-        """Turn scores into unnormalised probabilities in place; write how much to shrink O by into row_scale."""
+    def step(self, acc_s: cute.Tensor, row_scale: cute.Tensor, eager: cutlass.Constexpr[bool] = False):
+        """Turn scores into unnormalised probabilities in place; write how much to shrink O by into row_scale.
+        Lazy: returns a warp-uniform flag, true when the warp moved its references (row_scale then not all 1); the
+        caller may skip the O rescale when it is false. Otherwise (or with `eager`: this step moves every reference
+        to the true max, which any step may) returns None."""
         s_rows = rows_view(acc_s)
-        for r in cutlass.range_constexpr(cute.size(self.row_max)):
+        num_rows = cute.size(self.row_max)
+        m_prev = [self.row_max[r] for r in range(num_rows)]
+        m_new = [cute.arch.fmax(m_prev[r], cute.arch.warp_reduction_max(row_max_ilp(s_rows[r, None]),
+                                                                           threads_in_group=4))
+                 for r in range(num_rows)]
+        moved = None
+        if cutlass.const_expr(self.lazy and not eager):
+            # (-inf - -inf) is NaN and compares false: a row masked so far stays put until it sees a score.
+            grew = Int32(0)
+            for r in cutlass.range_constexpr(num_rows):
+                grew = grew | cutlass.select_((m_new[r] - m_prev[r]) * self.log2_scale > Float32(RESCALE_THRESHOLD),
+                                              Int32(1), Int32(0))
+            moved = cute.arch.vote_any_sync(grew != 0)
+            m_new = [cutlass.select_(moved, m_new[r], m_prev[r]) for r in range(num_rows)]
+        for r in cutlass.range_constexpr(num_rows):
             row = s_rows[r, None].load()
-            m_blk = row_max_ilp(s_rows[r, None])
-            m_prev = self.row_max[r]
-            m_new = cute.arch.fmax(m_prev, cute.arch.warp_reduction_max(m_blk, threads_in_group=4))
-            self.row_max[r] = m_new
+            self.row_max[r] = m_new[r]
             # A row masked so far has m = -inf; subtract 0 instead so exp2 gives 0, not NaN.
-            m_safe = Float32(0.0) if m_new == -Float32.inf else m_new
+            m_safe = Float32(0.0) if m_new[r] == -Float32.inf else m_new[r]
             shift = m_safe * self.log2_scale
             if cutlass.const_expr(not self.exp2):
                 s_rows[r, None].store(row * self.log2_scale - shift)
@@ -67,9 +93,10 @@ class OnlineSoftmax(Carried):
             else:
                 s_rows[r, None].store(row * self.log2_scale - shift)
                 exp2_mixed(s_rows[r, None], self.exp2_poly)
-            scale = cute.math.exp2((m_prev - m_safe) * self.log2_scale, fastmath=True)
+            scale = cute.math.exp2((m_prev[r] - m_safe) * self.log2_scale, fastmath=True)
             row_scale[r] = scale
             self.row_sum[r] = row_sum_ilp(s_rows[r, None], self.row_sum[r] * scale)
+        return moved
 
     @cute.jit
     def finalize(self, lse: cute.Tensor, out_scale: cute.Tensor):
@@ -96,8 +123,8 @@ def exp2_mixed(row: cute.Tensor, per8: cutlass.Constexpr[int]):
 
 @cute.jit
 def exp2_fma(x: Float32) -> Float32:
-    """2^x for x <= 0 without MUFU: x = j + f (j = floor(x), 0 <= f < 1), 2^f from EXP2_POLY, j added to the exponent.
-    Inputs below -127 (and -inf) give 0."""
+    """2^x for x < 128 without MUFU: x = j + f (j = floor(x), 0 <= f < 1), 2^f from EXP2_POLY, j added to the
+    exponent. Inputs below -127 (and -inf) give 0; lazy rescaling passes x up to RESCALE_THRESHOLD."""
     x = cute.arch.fmax(x, Float32(-127.0))
     shifted = _add_round_down(x, Float32(_ROUND_MAGIC))  # MAGIC + floor(x), exactly
     frac = x - (shifted - Float32(_ROUND_MAGIC))

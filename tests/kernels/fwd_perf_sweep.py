@@ -11,8 +11,9 @@ kernel:
                 what that stage costs on that row. Their outputs are wrong by design and are not checked;
   <candidate>   the candidate options of `FwdConfig` (persistent tiles, 3 K/V stages at D=128, 192-row tiles for D=64
                 with a block mask, exponentials on the FMA pipe, O rescaled before the PV GEMM, early block index,
-                and a combination). Each is checked against float64 attention on two (batch, head) pairs, all
-                queries (rel-L2 < 1e-2, no NaN) before its time counts: a wrong candidate is reported as WRONG.
+                lazy or eager O rescaling, and a combination). Each is checked against float64 attention on two
+                (batch, head) pairs, all queries (rel-L2 < 1e-2, no NaN) before its time counts: a wrong candidate
+                is reported as WRONG.
 Kernel times call the compiled kernel directly (arguments prepared once), median of `triton.testing.do_bench` with
 the L2 flushed between calls. TFLOP/s use the mask's exact density (`flexlab.bench.density`). After a row's variants,
 its baseline and passing candidates (with `--fa4`, FA4's forward too) are timed again in `--rounds` rotated rounds
@@ -193,7 +194,11 @@ def variants_for(row, base, num_sms: int) -> list[Variant]:
              Variant("rescale_before_pv", "candidate", rep(base, rescale_before_pv=True),
                      "O rescaled while the QK GEMM runs"),
              Variant("try_wait_first", "candidate", rep(base, try_wait_first=True),
-                     "stage waits try once before the sleeping wait loop")]
+                     "stage waits try once before the sleeping wait loop"),
+             Variant("eager_rescale" if base.lazy_rescale else "lazy_rescale", "candidate",
+                     rep(base, lazy_rescale=not base.lazy_rescale),
+                     "O rescaled every step" if base.lazy_rescale else "O rescaled only when a row's max outgrows "
+                     "its reference by 2^8")]
     if has_mask:
         cand.append(Variant("early_block_index", "candidate", rep(base, early_block_index=True),
                             "KV block index read before the K wait"))

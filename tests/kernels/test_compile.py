@@ -53,18 +53,24 @@ def test_inference_kernel_writes_no_lse(block_sparse):
 
 # SASS instructions per iteration of the dense forward's main loop (two GEMMs, the online softmax and the O
 # rescale of one K/V tile), measured when this test was written, plus ~3%. The wgmma descriptors stay in uniform
-# registers (the backward once lost a fifth of its loop to copying them: tests/kernels/test_bwd_sass.py).
-FWD_LOOP_BUDGET = {64: 427, 128: 462}
+# registers (the backward once lost a fifth of its loop to copying them: tests/kernels/test_bwd_sass.py). With lazy
+# rescaling (D=128) the budget is for the usual iteration, which jumps over the O rescale's head_dim / 2 multiplies
+# (406 instructions when written).
+FWD_LOOP_BUDGET = {64: 427, 128: 418}
 
 
 @pytest.mark.parametrize("D", sorted(FWD_LOOP_BUDGET))
 def test_dense_main_loop_stays_within_its_instruction_budget(D):
     from flexlab.runtime.compile import forward_ptx
     from flexlab.viz.compile_report import report_from_ptx
-    rep = report_from_ptx(forward_ptx(_key(D)))
+    key = _key(D)
+    rep = report_from_ptx(forward_ptx(key))
     if rep.missing:
         pytest.skip(f"needs {rep.missing}")
     loop = rep.loop_opcodes
     assert sum(n for op, n in loop.items() if op.startswith("MUFU.EX2")) >= 64, loop  # one exp2 per score
-    assert loop.get("R2UR", 0) <= 2, loop
-    assert sum(loop.values()) <= FWD_LOOP_BUDGET[D], (sum(loop.values()), loop.most_common(12))
+    skipped = D // 2 if key.config.lazy_rescale else 0
+    # (around the branch that skips the O rescale ptxas moves one 64-bit descriptor through regular registers: +3)
+    assert loop.get("R2UR", 0) <= (5 if skipped else 2), loop
+    assert loop.get("FMUL", 0) >= skipped, loop
+    assert sum(loop.values()) - skipped <= FWD_LOOP_BUDGET[D], (sum(loop.values()), loop.most_common(12))

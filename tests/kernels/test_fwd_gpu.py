@@ -330,3 +330,41 @@ def test_dynamic_tile_scheduler(D, masked, ctas):
         assert tile_counter(q.device) is not tile_counter(q.device, main)
     main.wait_stream(side)
     _check(out2, lse2, q, k, v, block_mask=bm)
+
+
+@needs_hopper
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("mask", [None, "causal", "holes"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_lazy_rescale(D, mask, dtype):
+    """`FwdConfig.lazy_rescale`: a warp keeps its softmax reference max until some row outgrows it by 2^8, and skips
+    the O rescale meanwhile. Keys are scaled per chunk of 48 by random amplitudes (0.25 to 8), so maxima jump by
+    more than the threshold at some steps and not at others, for some rows of a warp and not others; rows with
+    nothing visible yet (the holes mask) must stay exactly 0. Matches float64 and the eager-rescale kernel."""
+    import dataclasses
+
+    from flexlab import create_block_mask
+    from flexlab.kernels.config import default_config
+    from flexlab.runtime.launch import forward
+    from handwritten_mods import causal_mask, causal_mask_torch, holes_causal_mask, holes_causal_mask_torch
+    S = 1000
+    q, k, v = random_qkv(2, 4, S, S, D, dtype, "cuda", Hkv=2)
+    gen = torch.Generator(device="cuda").manual_seed(D)
+    amp = 2.0 ** (torch.rand(S // 48 + 1, device="cuda", generator=gen) * 5 - 2)
+    k = (k.float() * amp.repeat_interleave(48)[:S, None]).to(dtype)
+    bm, mods, dead = None, _mods(), None
+    if mask == "causal":
+        bm = create_block_mask(causal_mask_torch, 1, 1, S, S, device="cuda")
+        mods = _mods(mask_mod=causal_mask, tag="causal")
+    elif mask == "holes":
+        bm = create_block_mask(holes_causal_mask_torch, 1, 1, S, S, device="cuda")
+        mods, dead = _mods(mask_mod=holes_causal_mask, tag="holes"), torch.arange(0, S, 7, device="cuda")
+    base = default_config(D, bm is not None)
+    outs = {}
+    for lazy in (False, True):
+        out, lse = forward(q, k, v, mods, block_mask=bm, config=dataclasses.replace(base, lazy_rescale=lazy))
+        outs[lazy] = (out, lse, _check(out, lse, q, k, v, block_mask=bm, dead_rows=dead))
+    assert outs[True][2] <= 1.1 * outs[False][2] + 1e-4, (outs[True][2], outs[False][2])
+    assert rel_l2(outs[True][0], outs[False][0]) < TOLERANCES[dtype]
+    finite = torch.isfinite(outs[False][1])
+    assert (outs[True][1][finite] - outs[False][1][finite]).abs().max().item() < 1e-3
