@@ -98,6 +98,11 @@ WHOLE_TILE_COST_STEPS = 2
 TAIL_PART_COST_STEPS = 3
 MAX_TAIL_PARTS = 8
 MIN_TAIL_PART_STEPS = 4
+# head_dim 64 with 128-row steps: a loop per kind of query tile (`BwdConfig.kind_loops`; the launcher keeps it only
+# under a block mask with a mask_mod). Timed in turns, causal B1·S16k: backward 1.046x, forward + backward 1.054x at
+# D=64; 0.988x and 1.002x backward at D=128, B4·S4k and B1·S16k (bwd_kind_loops_probe_h200_2026-12-03c.json), so
+# D=128 keeps the one branching loop.
+D64_KIND_LOOPS = True
 # Block-sparse backward kernels run their KV tiles longest-first within L2-sized head groups (`lpt_order`).
 LPT_ORDER = True
 # `lpt_order`: bytes of Q, dO and the fp32 dQ sums one group of (batch, KV head) pairs may hold in L2 together.
@@ -152,9 +157,7 @@ class BwdConfig:
     # step compiled for that kind (as the forward does), instead of one loop whose step branches on the kind at run
     # time: the full steps carry no mask code, no test and no pick between the two lists, at the price of a second
     # copy of the step in the binary (SASS per full step at D=128 under a causal mask: 462 instructions, against 558
-    # for the branching loop). Timed in turns: main kernel 1.002-1.010x on causal D=128, 0.996-1.004x on documents,
-    # 0.999-1.001x on sliding window and causal D=64 (bwd_kind_loops_probe_h200_2026-12-03{,b}.json): inside the
-    # noise for a second copy of every masked step to compile; off.
+    # for the branching loop). The default at head_dim 64 with 128-row steps (`D64_KIND_LOOPS`, measured there).
     kind_loops: bool = False
     # Block-sparse only: partial blocks read their mask from bits stored by the launcher (`runtime.mask_bits`, rows =
     # keys, 64 or 128 query columns) instead of evaluating mask_mod; chosen where the forward's are
@@ -321,6 +324,17 @@ class BwdConfig:
         return None
 
 
+def drop_gathering_kind_loops(cfg: BwdConfig, mask_gathers: bool) -> BwdConfig:
+    """`cfg` without `kind_loops` where the partial steps would evaluate a mask_mod that reads captured tensors
+    (`mask_gathers`) inline: compiled twice, the gathering step spilled (the gallery's bigbird and tree masks, 8 and 112
+    bytes at D=64). With stored bits (`mask_bits`, the launcher's choice for such masks) the loops stay: documents
+    D=64 B1·S16k, timed in turns, backward 1.029x, forward + backward 1.016x
+    (bwd_kind_loops_d64_probe_h200_2026-12-03.json)."""
+    if cfg.kind_loops and mask_gathers and not cfg.mask_bits:
+        return replace(cfg, kind_loops=False)
+    return cfg
+
+
 def default_bwd_config(head_dim: int, deterministic: bool = False, mod_grads: bool = False,
                        q_block: int | None = None, mask_ops: int = 0) -> BwdConfig:
     """The configuration the launcher runs: the dataclass defaults (see the module docstring for why), except
@@ -344,7 +358,9 @@ def default_bwd_config(head_dim: int, deterministic: bool = False, mod_grads: bo
     - with those 128-row steps, `dq_split_rows`: each consumer warpgroup forms 64 rows of dQ over all 64 columns
       (wgmma N = 64, not 32). Main kernel 1.01x dense, 1.05-1.07x causal, sliding window and documents at B1·S16k,
       1.02x deterministic causal (benchmarks/results/bwd_d64_rows_h200_2026-11-30.json); at 64-row steps it does
-      not apply, and 128 rows with a soft-cap derivative were 0.93x.
+      not apply, and 128 rows with a soft-cap derivative were 0.93x;
+    - with those 128-row steps outside deterministic mode, `kind_loops` (`D64_KIND_LOOPS`; the launcher drops it
+      for a mask_mod that reads captured tensors inline, `drop_gathering_kind_loops`).
     """
     if head_dim > MAX_UNSPLIT_HEAD_DIM:
         # 64 x 64 steps. K, V and a Q/dO stage take 32 KiB each at 256 columns and dS, P 32 KiB together, so the
@@ -363,9 +379,10 @@ def default_bwd_config(head_dim: int, deterministic: bool = False, mod_grads: bo
     swap = head_dim == 128 and q_block is None and not mod_grads
     if swap:
         tile_m = DENSE_TILE_M
-    return BwdConfig(head_dim=head_dim, tile_m=tile_m, kv_tiles_first=not deterministic,
-                     dq_split_rows=head_dim == 64 and tile_m == 64 * 2, dq_swap_ab=swap,
-                     lpt_order=_tile_order(deterministic, q_block))
+    wide64 = head_dim == 64 and tile_m == 64 * 2
+    return BwdConfig(head_dim=head_dim, tile_m=tile_m, kv_tiles_first=not deterministic, dq_split_rows=wide64,
+                     dq_swap_ab=swap, lpt_order=_tile_order(deterministic, q_block),
+                     kind_loops=wide64 and D64_KIND_LOOPS and not deterministic)
 
 
 def split_parts(num_tiles: int, workers: int, steps: int) -> int:

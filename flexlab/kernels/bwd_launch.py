@@ -421,6 +421,11 @@ def config_for(head_dim: int, deterministic: bool, g, aux_grads: bool, q_block: 
     return _config(head_dim, deterministic, mod_grads, q_block, mask_ops)
 
 
+def mask_gathers(g) -> bool:
+    """Whether the generated mods' mask_mod reads captured tensors (`bwd_config.drop_gathering_kind_loops`)."""
+    return bool(g is not None and g.has_mask_mod and g.aux_tensor_names)
+
+
 @lru_cache(maxsize=None)
 def _config(head_dim: int, deterministic: bool, mod_grads: bool, q_block: int | None, mask_ops: int = 0) -> BwdConfig:
     try:
@@ -499,6 +504,7 @@ def backward_kernels(g, grad_slots, dtype: torch.dtype, head_dim: int, q_block: 
     cfg = config_for(head_dim, deterministic, g, bool(grad_slots), q_block)
     if mask_bits and q_block is not None:
         cfg = with_mask_bits(cfg)
+    cfg = bwd_config.drop_gathering_kind_loops(cfg, mask_gathers(g))
     if persistent_ctas:
         cfg = replace(cfg, persistent_ctas=persistent_ctas)
     kernel_aux = tuple(g.kernel_aux_tensors()) if g is not None else ()
@@ -581,6 +587,7 @@ def _build_plan(q, k, entry, cfg: BwdConfig, block_mask, block_size, determinist
             cfg = with_mask_bits(cfg)
             if bits.pruned:  # the kernel walks the lists less their empty blocks (deterministic ranks from those)
                 walk = bits.derived(lambda: QLists((bits.num, bits.idx) + masks.tensors[2:], masks._owners))
+        cfg = bwd_config.drop_gathering_kind_loops(cfg, mask_gathers(g))
         if cfg.lpt_order and not deterministic:  # (work estimated from the mask's own lists, as measured)
             tile_order = masks.tile_order(B, Hkv, Hq // Hkv, Sq, D)
     if turns:  # under a block mask the higher KV tiles first

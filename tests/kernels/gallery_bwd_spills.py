@@ -24,7 +24,8 @@ def compile_variant(job: tuple) -> dict:
     from flexlab.backends import cute as backend
     from flexlab.codegen import generate
     from flexlab.gallery import get_variant
-    from flexlab.kernels.bwd_launch import config_for
+    from flexlab.kernels.bwd_config import drop_gathering_kind_loops
+    from flexlab.kernels.bwd_launch import config_for, mask_gathers
     variant = get_variant(name)
     mods = variant.build(1, 4, 256, 256)
     for t in variant.trainable:
@@ -33,7 +34,7 @@ def compile_variant(job: tuple) -> dict:
     sparse = mods.mask_mod is not None
     grads = any(g.aux_requires_grad)
     bits = sparse and backend.stores_mask_bits(mods.score_mod, mods.mask_mod)
-    cfg = config_for(D, False, g, grads, 128 if sparse else None)
+    cfg = drop_gathering_kind_loops(config_for(D, False, g, grads, 128 if sparse else None), mask_gathers(g))
     if bits:
         from flexlab.kernels.bwd_launch import with_mask_bits
         cfg = with_mask_bits(cfg)

@@ -194,8 +194,8 @@ def test_dq_bulk_reduce_matches_the_tensor_reduce(D, sparse, deterministic, monk
 
 @needs_hopper
 @pytest.mark.parametrize("D,mask_mod,deterministic", [(128, _causal, False), (64, _causal, False),
-                                                      (128, _documents, False), (64, _documents, True),
-                                                      (128, _documents, True)])
+                                                      (128, _documents, False), (64, _documents, False),
+                                                      (64, _documents, True), (128, _documents, True)])
 def test_kind_loops_match_one_loop(D, mask_mod, deterministic, monkeypatch):
     """`BwdConfig.kind_loops` (partial and full query tiles walked by a loop each) against one loop that branches."""
     _option_against_default("kind_loops", D, mask_mod, deterministic, monkeypatch)

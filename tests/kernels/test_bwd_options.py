@@ -30,7 +30,7 @@ def test_default_options_and_candidates_fit():
     for D in (64, 128):
         cfg = default_bwd_config(D, q_block=128)
         assert cfg == BwdConfig(head_dim=D, tile_m=128 if D == 64 else 64, tile_n=128, num_stages=2,
-                                dq_split_rows=D == 64, lpt_order=True)
+                                dq_split_rows=D == 64, lpt_order=True, kind_loops=D == 64)
         assert cfg.stats_in_smem and cfg.kv_tiles_first and cfg.dq_warp and cfg.dk_after_dq
         assert not (cfg.early_dv or cfg.mask_early)
         # 64-row steps (a score_mod derivative) have no 64-row dQ halves to split between the warpgroups
@@ -163,7 +163,8 @@ def test_option_compiles_without_spills(name, D, options, kind):
     from dataclasses import replace
 
     from flexlab.kernels.bwd_config import default_bwd_config
-    cfg = default_bwd_config(D)
+    # each cell is its options on the one-loop step (the kind_loops cells ask for the D=64 default's two loops)
+    cfg = replace(default_bwd_config(D), kind_loops=False)
     if cfg.dq_swap_ab and ("mask" in kind or "bias" in kind):  # (80-row steps: no block mask, no mod gradients)
         cfg = replace(cfg, tile_m=64, dq_swap_ab=False)
     cfg = replace(cfg, **options).validate()
@@ -367,7 +368,7 @@ def test_kind_loops_compile_the_full_steps_without_mask_code(D):
     def step_loops(cfg):
         loops = report_from_ptx(_compile(cfg, "mask")[0]).gemm_loops
         return [sum(c.values()) for c in loops if c.get("MUFU.EX2")]
-    base = default_bwd_config(D, q_block=128)
+    base = replace(default_bwd_config(D, q_block=128), kind_loops=False)
     one = step_loops(base)
     two = step_loops(replace(base, kind_loops=True))
     # (the loop over the query heads of a GQA group encloses the step loops: listed after them, and longest)
