@@ -149,9 +149,8 @@ class BwdConfig:
     dq_red: bool = False
     # The slab's reduce-add is a plain bulk copy (cp.reduce.async.bulk ... .add.f32 over its contiguous bytes) instead
     # of a TMA tensor reduce: the slab is one contiguous run of `dQaccum` either way, so no tensor map is needed to
-    # address it (FA4's sm90 backward adds its dQ partials this way). Timed in turns: main kernel 0.993-1.001x of the
-    # tensor reduce on causal, documents and dense D=128 and causal D=64 (bwd_dq_bulk_reduce_h200_2026-12-03.json);
-    # off.
+    # address it (FA4's sm90 backward adds its dQ partials this way). Off, unmeasured: the one probe run of it
+    # (bwd_dq_bulk_reduce_h200_2026-12-03.json) timed the default against itself.
     dq_bulk_reduce: bool = False
     # Block-sparse with a mask_mod: a KV tile's partial and full query tiles are walked by two loops, each with its
     # step compiled for that kind (as the forward does), instead of one loop whose step branches on the kind at run

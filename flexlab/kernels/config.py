@@ -187,8 +187,8 @@ class FwdConfig:
     # Launched with programmatic dependent launch: the CTAs may start (shared memory, barriers, TMA descriptors) while
     # the kernel before on the stream drains its last wave, and wait (`griddepcontrol.wait`) before their first
     # global access. Persistent kernels, whose CTAs are all resident from the start, then let the next kernel (the
-    # backward's preprocess, itself chained: `BwdConfig.chained_launch`) launch at once. Off: timed in turns on
-    # ten rows it read 0.994-1.006x forward alone (fwd_chained_probe_h200_2026-12-03.json), nothing to gain.
+    # backward's preprocess, itself chained: `BwdConfig.chained_launch`) launch at once. Off, unmeasured: the one
+    # probe run of it (fwd_chained_probe_h200_2026-12-03.json) timed the default against itself.
     chained_launch: bool = False
     # Debug only, never set by the public API: stages removed for timing (names in ABLATIONS; results are wrong).
     ablate: tuple[str, ...] = ()
