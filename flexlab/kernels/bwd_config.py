@@ -99,9 +99,10 @@ TAIL_PART_COST_STEPS = 3
 MAX_TAIL_PARTS = 8
 MIN_TAIL_PART_STEPS = 4
 # head_dim 64 with 128-row steps: a loop per kind of query tile (`BwdConfig.kind_loops`; the launcher keeps it only
-# under a block mask with a mask_mod). Timed in turns, causal B1·S16k: backward 1.046x, forward + backward 1.054x at
-# D=64; 0.988x and 1.002x backward at D=128, B4·S4k and B1·S16k (bwd_kind_loops_probe_h200_2026-12-03c.json), so
-# D=128 keeps the one branching loop.
+# under a block mask with a mask_mod). Timed in turns at B1·S16k (bwd_kind_loops_d64_probe_h200_2026-12-03.json):
+# backward 1.069x causal, 1.051x sliding window, 1.029x documents from stored bits. D=128 keeps the one branching
+# loop: 0.988x and 1.002x backward on causal B4·S4k and B1·S16k in a run that charged the two-loop form host time
+# (bwd_kind_loops_probe_h200_2026-12-03c.json).
 D64_KIND_LOOPS = True
 # Block-sparse backward kernels run their KV tiles longest-first within L2-sized head groups (`lpt_order`).
 LPT_ORDER = True
