@@ -45,6 +45,45 @@ def ms_per_call(fn, calls: int = CALLS) -> float:
     return start.elapsed_time(end) / calls
 
 
+class Switch:
+    """The two variants of a probe and how to switch the launcher between them: `use("launcher")` runs what the
+    launcher picks, `use("flipped")` the same with `fields` negated (`forward`: `FwdConfig` fields, through
+    `runtime.launch.scheduled`; else `BwdConfig` fields, through `bwd_launch._config`). `asked[0]` counts the
+    flipped configurations handed out: 0 after a call means nothing was flipped."""
+
+    def __init__(self, fields: list[str], forward: bool):
+        from flexlab.kernels import bwd_launch
+        from flexlab.runtime import launch as fwd_launch
+        self.module, self.hook = (fwd_launch, "scheduled") if forward else (bwd_launch, "_config")
+        self.launcher = getattr(self.module, self.hook)
+        self.fields = fields
+        self.asked = [0]
+        # one flipped object per configuration: the launchers key their plans by the object's identity, so a new one
+        # per call would rebuild the plan on every call and charge the flipped variant host time
+        self.made = {}
+        self.variants = {"launcher": self.launcher, "flipped": self.flipped}
+
+    def flipped(self, *a, **k):
+        self.asked[0] += 1
+        cfg = self.launcher(*a, **k)
+        if cfg not in self.made:
+            self.made[cfg] = replace(cfg, **{f: not getattr(cfg, f) for f in self.fields})
+        return self.made[cfg]
+
+    def use(self, variant: str) -> None:
+        import flexlab.api as api
+        from flexlab.kernels import bwd_launch
+        from flexlab.runtime import launch as fwd_launch
+        setattr(self.module, self.hook, self.variants[variant])
+        bwd_launch._PLANS.clear()
+        fwd_launch._PLANS.clear()
+        api._WARM.clear()  # (the warm paths hold their plans)
+        api._WARM_TRAIN.clear()
+
+    def restore(self) -> None:
+        setattr(self.module, self.hook, self.launcher)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
@@ -56,38 +95,11 @@ def main() -> None:
     ap.add_argument("--rows", default=None, help="comma-separated indices into ROWS (default: all)")
     args = ap.parse_args()
     import flexlab
-    import flexlab.api as api
     from flexlab.bench.cases import build_case
-    from flexlab.kernels import bwd_launch
-    from flexlab.runtime import launch as fwd_launch
     from flexlab.testing import rel_l2
 
-    # the function that hands the launcher its configuration, and where it lives (`hook`: the loops below bind
-    # `name` to variant names)
-    module, hook = (fwd_launch, "scheduled") if args.forward else (bwd_launch, "_config")
-    launcher = getattr(module, hook)
-
-    fields = args.field.split(",")
-
-    asked = [0]  # how often the launcher took the flipped configuration (0: the probe would time one kernel twice)
-    made = {}  # one flipped object per configuration: the launchers key their plans by the object's identity, so a
-    # new one per call would rebuild the plan on every call and charge the flipped variant host time
-
-    def flipped(*a, **k):
-        asked[0] += 1
-        cfg = launcher(*a, **k)
-        if cfg not in made:
-            made[cfg] = replace(cfg, **{f: not getattr(cfg, f) for f in fields})
-        return made[cfg]
-    variants = {"launcher": launcher, "flipped": flipped}
-    names = list(variants)
-
-    def use(variant):
-        setattr(module, hook, variants[variant])
-        bwd_launch._PLANS.clear()
-        fwd_launch._PLANS.clear()
-        api._WARM.clear()  # (the warm paths hold their plans)
-        api._WARM_TRAIN.clear()
+    switch = Switch(args.field.split(","), args.forward)
+    launcher, names, use, asked = switch.launcher, list(switch.variants), switch.use, switch.asked
 
     results = {}
     try:
@@ -110,7 +122,7 @@ def main() -> None:
             if not asked[0]:
                 raise SystemExit(f"{row}: the launcher never took the flipped configuration; nothing to compare")
             setting = None if args.forward else getattr(
-                launcher(D, False, False, None if bm is None else bm.BLOCK_SIZE[0]), fields[0])
+                launcher(D, False, False, None if bm is None else bm.BLOCK_SIZE[0]), switch.fields[0])
             errors = {n: rel_l2(a, b) for n, a, b in zip(("dq", "dk", "dv"), grads["launcher"], grads["flipped"])}
             nan = any(torch.isnan(t).any().item() for g in grads.values() for t in g)
             del grads
@@ -148,7 +160,7 @@ def main() -> None:
                   " ".join(f"{n} {e:.1e}" for n, e in errors.items()), "NaN" if nan else "", flush=True)
             torch.cuda.empty_cache()
     finally:
-        setattr(module, hook, launcher)
+        switch.restore()
         with open(args.out, "w") as f:
             json.dump({"field": args.field, "forward": args.forward, "calls_per_sample": CALLS, "rounds": args.rounds,
                        "rows": results}, f, indent=1)
