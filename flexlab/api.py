@@ -130,14 +130,20 @@ def _cute_plan_static(device, dtype, head_dim, v_head_dim, score_mod, mask_mod, 
     return reason + ("1" if needs_grad else "0")
 
 
-def _choose_backend(backend, query, key, value, score_mod, block_mask, deterministic) -> tuple[str, bool]:
+def _choose_backend(backend, query, key, value, score_mod, block_mask, deterministic,
+                    scale=None) -> tuple[str, bool]:
     """(backend to run, whether the cute backend must run its differentiable path)."""
     if backend == "auto" and query.device.type != "cuda":
         # torch's CPU flex_attention has no backward; the dense reference does
         return ("reference" if _needs_grad(query, key, value, score_mod) else "torch"), False
     if backend not in ("auto", "cute"):
         return backend, False
-    reason, needs_grad = _cute_plan(query, key, value, score_mod, block_mask)
+    if scale is not None and scale < 0:
+        # the kernels' online softmax keeps each row's largest raw score, which a negative scale makes the smallest
+        # scaled one: exponentials could overflow, and rows masked so far would turn NaN
+        reason, needs_grad = f"scale={scale} is negative; flexlab's kernels need scale >= 0", False
+    else:
+        reason, needs_grad = _cute_plan(query, key, value, score_mod, block_mask)
     if not reason:
         return "cute", needs_grad
     if backend == "cute":
@@ -197,7 +203,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, backend)
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    chosen, cute_grad = _choose_backend(backend, query, key, value, score_mod, block_mask, deterministic)
+    chosen, cute_grad = _choose_backend(backend, query, key, value, score_mod, block_mask, deterministic, scale)
     if chosen == "reference":
         from .backends.reference import reference_attention
         compute = torch.float64 if query.dtype == torch.float64 else torch.float32

@@ -154,6 +154,13 @@ def test_cute_backend_is_explicit_about_availability():
         flexlab.flex_attention(q, k, v, backend="cute")
 
 
+def test_cute_backend_refuses_a_negative_scale_by_name():
+    # the kernels' online softmax keeps each row's largest raw score: a negative scale is routed away, never run
+    q, k, v = random_qkv(1, 1, 16, 16, 16)
+    with pytest.raises(flexlab.BackendUnavailableError, match="scale=-0.125 is negative"):
+        flexlab.flex_attention(q, k, v, scale=-0.125, backend="cute")
+
+
 def test_return_lse_shapes_and_types():
     q, k, v = random_qkv(2, 2, 33, 65, 8)
     res = flexlab.flex_attention(q, k, v, return_lse=True, backend="reference")

@@ -368,3 +368,21 @@ def test_lazy_rescale(D, mask, dtype):
     assert rel_l2(outs[True][0], outs[False][0]) < TOLERANCES[dtype]
     finite = torch.isfinite(outs[False][1])
     assert (outs[True][1][finite] - outs[False][1][finite]).abs().max().item() < 1e-3
+
+
+@needs_hopper
+@pytest.mark.parametrize("D", [64, 128])
+def test_zero_scale_and_negative_scale(D):
+    """scale=0 runs the kernel (every score 0: each row uniform over what it sees, the LSE the log of that count;
+    lazy rescaling must still set the reference from the first block). A negative scale never reaches the kernels
+    (their softmax keeps each row's largest raw score): "auto" runs torch's backend, which matches float64."""
+    import flexlab
+    from flexlab import create_block_mask
+    from handwritten_mods import causal_mask, causal_mask_torch
+    q, k, v = random_qkv(1, 4, 700, 700, D, torch.bfloat16, "cuda")
+    bm = create_block_mask(causal_mask_torch, 1, 1, 700, 700, device="cuda")
+    out, lse = _run(q, k, v, _mods(mask_mod=causal_mask, tag="causal"), block_mask=bm, scale=0.0)
+    _check(out, lse, q, k, v, block_mask=bm, scale=0.0)
+    out = flexlab.flex_attention(q, k, v, block_mask=bm, scale=-0.1)
+    ref_out, _ = reference(q, k, v, None, bm, -0.1)
+    assert rel_l2(out, ref_out) < TOLERANCES[q.dtype]
