@@ -73,11 +73,13 @@ class OnlineSoftmax(Carried):
                  for r in range(num_rows)]
         moved = None
         if cutlass.const_expr(self.lazy and not eager):
-            # (-inf - -inf) is NaN and compares false: a row masked so far stays put until it sees a score.
+            # A row with no reference yet (-inf: nothing seen, or all masked) always takes one, whatever the scale's
+            # size (at scale 0 the growth test would read inf * 0 = NaN, false, and the LSE would come out NaN).
             grew = Int32(0)
             for r in cutlass.range_constexpr(num_rows):
-                grew = grew | cutlass.select_((m_new[r] - m_prev[r]) * self.log2_scale > Float32(RESCALE_THRESHOLD),
-                                              Int32(1), Int32(0))
+                grows = (m_new[r] - m_prev[r]) * self.log2_scale > Float32(RESCALE_THRESHOLD)
+                grew = grew | cutlass.select_(grows, Int32(1), Int32(0))
+                grew = grew | cutlass.select_(m_prev[r] == -Float32.inf, Int32(1), Int32(0))
             moved = cute.arch.vote_any_sync(grew != 0)
             m_new = [cutlass.select_(moved, m_new[r], m_prev[r]) for r in range(num_rows)]
         for r in cutlass.range_constexpr(num_rows):
