@@ -316,7 +316,7 @@ def default_config(head_dim: int, block_sparse: bool = False, has_score_mod: boo
         return FwdConfig(head_dim=128, tile_m=128, tile_n=128, num_stages=d128_stages(seqlen_k), **opts, **dense)
     # D=256: 80-key tiles fill shared memory with two stages; dense 1.01-1.03x of 64 at B4·S4k and B1·S16k, equal at
     # B8·S1k (benchmarks/results/fwd_d256_tile_n{64,80}_h200_2026-12-01.json). A block mask needs a divisor of 128.
-    return FwdConfig(head_dim=256, tile_m=128, tile_n=64 if block_sparse else 80, num_stages=2, **lazy_options(256))
+    return FwdConfig(head_dim=256, tile_m=128, tile_n=64 if block_sparse else 80, num_stages=2, **opts)
 
 
 def lazy_options(head_dim: int) -> dict:
