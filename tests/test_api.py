@@ -154,11 +154,24 @@ def test_cute_backend_is_explicit_about_availability():
         flexlab.flex_attention(q, k, v, backend="cute")
 
 
-def test_cute_backend_refuses_a_negative_scale_by_name():
-    # the kernels' online softmax keeps each row's largest raw score: a negative scale is routed away, never run
+@pytest.mark.parametrize("scale", [-0.125, 0.0, float("nan"), float("inf")])
+def test_cute_backend_refuses_a_scale_it_cannot_take_by_name(scale):
+    # the kernels' online softmax keeps each row's largest raw score (a negative scale inverts it) and starts every
+    # row from -inf (exp2(-inf * 0) is NaN): such scales are routed away, never run
     q, k, v = random_qkv(1, 1, 16, 16, 16)
-    with pytest.raises(flexlab.BackendUnavailableError, match="scale=-0.125 is negative"):
-        flexlab.flex_attention(q, k, v, scale=-0.125, backend="cute")
+    with pytest.raises(flexlab.BackendUnavailableError, match=f"scale={scale} is not a finite positive number"):
+        flexlab.flex_attention(q, k, v, scale=scale, backend="cute")
+    # ... and no warm entry can serve it either: such a call has no signature, so it always takes the backend choice
+    assert flexlab.api._signature(q, k, v, None, None, scale, False, False, "auto") is None
+    assert flexlab.api._signature(q, k, v, None, None, 0.125, False, False, "auto") is not None
+
+
+def test_forward_launcher_refuses_a_scale_it_cannot_take():
+    from flexlab.errors import FlexlabValueError
+    from flexlab.runtime import launch
+    q, k, v = random_qkv(1, 1, 16, 16, 16)
+    with pytest.raises(FlexlabValueError, match="scale=0.0"):
+        launch.forward(q, k, v, scale=0.0)
 
 
 def test_return_lse_shapes_and_types():

@@ -73,13 +73,12 @@ class OnlineSoftmax(Carried):
                  for r in range(num_rows)]
         moved = None
         if cutlass.const_expr(self.lazy and not eager):
-            # A row with no reference yet (-inf: nothing seen, or all masked) always takes one, whatever the scale's
-            # size (at scale 0 the growth test would read inf * 0 = NaN, false, and the LSE would come out NaN).
+            # A row with no reference yet (-inf) grows by +inf as soon as it sees a score, so it always takes one:
+            # the scale is > 0 (the launcher refuses others; at 0 the growth would read inf * 0 = NaN, false).
             grew = Int32(0)
             for r in cutlass.range_constexpr(num_rows):
                 grows = (m_new[r] - m_prev[r]) * self.log2_scale > Float32(RESCALE_THRESHOLD)
                 grew = grew | cutlass.select_(grows, Int32(1), Int32(0))
-                grew = grew | cutlass.select_(m_prev[r] == -Float32.inf, Int32(1), Int32(0))
             moved = cute.arch.vote_any_sync(grew != 0)
             m_new = [cutlass.select_(moved, m_new[r], m_prev[r]) for r in range(num_rows)]
         for r in cutlass.range_constexpr(num_rows):

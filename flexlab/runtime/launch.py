@@ -9,10 +9,12 @@ repeated call only checks base alignment, allocates and launches (`BoundForward`
 from __future__ import annotations
 
 import dataclasses
+import math
 from functools import lru_cache
 
 import torch
 
+from ..errors import FlexlabValueError
 from ..kernels import config as _policy
 from ..kernels.config import FwdConfig, d128_stages, default_config
 from .compile import CompileKey, KernelMods, cutlass_version, forward_kernel, tvm_ffi_available
@@ -348,6 +350,9 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: KernelMods 
     `stored_masks` (`runtime.mask_bits.StoredMasks` of the block mask's mask_mod): partial blocks then read stored
     bits instead of evaluating mask_mod."""
     B, Hq, Sq, D = q.shape
+    if scale is not None and not 0 < scale < math.inf:
+        # a row's first rescale factor is exp2(-inf * scale): NaN at 0; a negative scale inverts the running max
+        raise FlexlabValueError(f"scale={scale}: the forward kernel needs a finite scale > 0")
     fn, key, sparse, order = _plan(q, k, mods, block_mask, config, arch, with_lse, stored_masks)
     q, k, v = tma_ready(q), tma_ready(k), tma_ready(v)
     out = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
