@@ -1,6 +1,6 @@
 """Time every gallery variant's forward pass on flexlab's kernel and on torch's FlexAttention, checked vs float64.
 
-    python gallery/_bench.py --json benchmarks/results/gallery_h200_<date>.json [--only NAME] [--time-budget 300]
+    python gallery/_bench.py --json benchmarks/results/gallery_h200_<date>.json.gz [--only NAME] [--time-budget 300]
     python gallery/_bench.py --device cpu --quick        # checks the script itself on a CPU
 
 The main benchmark (`python -m flexlab.bench`) races all peers on a handful of variants; this one covers the whole

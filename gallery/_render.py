@@ -11,13 +11,14 @@ from __future__ import annotations
 import argparse
 import base64
 import html
-import json
 import re
 import struct
 import zlib
 from pathlib import Path
 
 import torch
+
+from flexlab.bench.report import read_json, result_files
 
 HERE = Path(__file__).resolve().parent
 MAX_PIXELS = 192  # longest side of a heatmap
@@ -165,9 +166,9 @@ def latest_results(results_dir: Path) -> dict[str, list[dict]]:
     combined row is listed under each of them.
     """
     merged: dict[str, dict] = {}  # row name -> {"row": row, "results": {backend: (stamp, result)}, ...}
-    for path in sorted(results_dir.glob("*.json")) if results_dir.is_dir() else []:
+    for path in result_files(results_dir):
         try:
-            data = json.loads(path.read_text())
+            data = read_json(path)
         except (OSError, ValueError):
             continue
         if not isinstance(data, dict) or not (data.get("schema") == 1 or data.get("kind") in CARD_KINDS):

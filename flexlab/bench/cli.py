@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import torch
 
 from .peers import PEERS, parse_backends
-from .report import format_document, format_markdown, format_summary, merge_documents, write_json
+from .report import format_document, format_markdown, format_summary, merge_documents, read_json, write_json
 from .rows import ROW_SETS, select_rows
 from .runner import Settings, run
 
@@ -25,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "'|' separates alternatives, e.g. 'dense|causal'")
     p.add_argument("--backends", default="all",
                    help=f"all, peers, or a comma-separated list of: {', '.join(PEERS)} (default: all)")
-    p.add_argument("--json", dest="json_path", default=None, help="write results here (rewritten after each row)")
+    p.add_argument("--json", dest="json_path", default=None,
+                   help="write results here (rewritten after each row; gzip-compressed if the name ends in .gz)")
     p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     p.add_argument("--quick", action="store_true",
                    help="tiny shapes (B1 H2 S256) and short timing: checks the harness, measures nothing useful")
@@ -54,8 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.show:
         docs = []
         for path in args.show:
-            with open(path) as f:
-                docs.append(json.load(f))
+            docs.append(read_json(path))
         doc = merge_documents(docs)
         if args.markdown:
             print("Wall-clock ms per call (TFLOP/s):\n\n" + format_markdown(doc, "wall_ms"))
@@ -90,8 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         settings.rounds = args.rounds
     resume = None
     if args.resume and os.path.exists(args.resume):
-        with open(args.resume) as f:
-            resume = json.load(f)
+        resume = read_json(args.resume)
     elif args.resume:  # the first of a series of resumed runs: nothing saved yet
         print(f"--resume: no results at {args.resume} yet; measuring every selected row")
     doc = run(rows, settings, device, args.json_path, resume=resume)

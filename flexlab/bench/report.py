@@ -6,6 +6,7 @@ functions print a live run and re-render a committed file (``python -m flexlab.b
 from __future__ import annotations
 
 import datetime as _dt
+import gzip
 import json
 import os
 import platform
@@ -104,12 +105,32 @@ def document(env: dict, settings: dict, rows: list[dict]) -> dict:
 
 
 def write_json(doc: dict, path: str | os.PathLike) -> None:
-    """Write atomically, so a run cut short by a time limit leaves the last complete document behind."""
+    """Write atomically, so a run cut short by a time limit leaves the last complete document behind; gzip-compressed
+    when the name ends in ".gz" (how results are committed)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
+    text = json.dumps(doc, indent=1, sort_keys=False) + "\n"
+    if path.suffix == ".gz":
+        tmp.write_bytes(gzip.compress(text.encode(), mtime=0))
+    else:
+        tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def read_json(path: str | os.PathLike):
+    """A result file as written by `write_json` (or by a probe): plain JSON, or gzip-compressed JSON (".gz")."""
+    path = Path(path)
+    data = path.read_bytes()
+    return json.loads(gzip.decompress(data) if path.suffix == ".gz" else data)
+
+
+def result_files(folder: str | os.PathLike) -> list[Path]:
+    """The JSON result files in `folder` (committed ones are "*.json.gz"), sorted by name; [] if it does not exist."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    return sorted([*folder.glob("*.json"), *folder.glob("*.json.gz")])
 
 
 def _num(x, fmt: str, width: int) -> str:

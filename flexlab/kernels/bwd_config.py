@@ -10,7 +10,7 @@ The boolean fields are speed options; each setting is a separate compiled kernel
 `tests/kernels/bwd_perf_sweep.py` times and checks every candidate against the default on the H200. The default
 turns on `stats_in_smem`, `dq_warp`, `dk_after_dq` (below) and (outside deterministic mode) `kv_tiles_first`. The
 first and last together made the main kernel 1.16-1.66x faster on every swept row (D=64 and 128, dense, causal,
-sliding window, soft-cap; benchmarks/results/bwd_sweep_h200_2026-11-30.json). `default_bwd_config` picks `tile_m` per
+sliding window, soft-cap; benchmarks/results/bwd_sweep_h200_2026-11-30.json.gz). `default_bwd_config` picks `tile_m` per
 call (128 at D=64 where it pays, see `D64_TILE_M`):
 
   stats_in_smem   the producer copies each step's LSE2 and D rows (tile_m fp32 each) into shared memory with the Q/dO
@@ -20,7 +20,7 @@ call (128 at D=64 where it pays, see `D64_TILE_M`):
                   is still on the tensor cores, instead of waiting for dV, dK and dQ together (FA3/FA4's order).
                   On by default since the dQ slab is written in fragment order (`bwd_dq`): main kernel 1.02-1.09x on
                   all 12 swept rows (D=64 and 128; dense, causal, sliding window, documents, soft-cap) and 1.07x
-                  deterministic at D=128, 1.00x at D=64 (bwd_dk_after_dq_h200_2026-11-30.json). With the row-major
+                  deterministic at D=128, 1.00x at D=64 (bwd_dk_after_dq_h200_2026-11-30.json.gz). With the row-major
                   slab it had been slower: that slab was left unswizzled here, as swizzled addresses beside dK's
                   register operand spilled, and its stores conflicted in shared memory;
   kv_tiles_first  grid x = KV tiles: the CTAs of one (batch, head) run side by side and share Q, dO and the dQ
@@ -28,7 +28,7 @@ call (128 at D=64 where it pays, see `D64_TILE_M`):
   mask_early      on partial blocks, mask_mod is evaluated into bit masks while the S^T GEMM runs, so the loads of
                   captured tensors it reads (document ids) wait behind the GEMM instead of in front of the softmax
                   (measured and not used: 0.93x at D=64 and 0.98x at D=128 on the document rows,
-                  benchmarks/results/mask_early_h200_2026-11-30.json; with 64-row steps at D=128 it spills);
+                  benchmarks/results/mask_early_h200_2026-11-30.json.gz; with 64-row steps at D=128 it spills);
   dq_split_rows   each consumer warpgroup computes 64 query rows of the dQ partial over the whole head dim (wgmma
                   N = head_dim) instead of all tile_m rows over head_dim / warpgroups columns (N = 32 at D=64, where
                   the shared-memory A operand limits the tensor cores); needs tile_m = 64 * warpgroups; the default
@@ -36,14 +36,14 @@ call (128 at D=64 where it pays, see `D64_TILE_M`):
   early_dv        dV += P^T dO is issued as soon as P is in 16 bits, before waiting for dP^T, so it runs on the tensor
                   cores while dS is formed, instead of after dS (FA3's order; the lean plan already issues it early)
                   (measured and not used: 0.96-0.98x on the D=128 dense and causal and D=64 dense rows, its dS from
-                  16-bit P also adds rounding: 3.6e-3 rel-L2 against 2.4e-3; bwd_dq_warp_h200_2026-11-30.json);
+                  16-bit P also adds rounding: 3.6e-3 rel-L2 against 2.4e-3; bwd_dq_warp_h200_2026-11-30.json.gz);
   dq_warp         a warp of the producer warpgroup issues the dQ reduces: a consumer warpgroup writes its partial
                   to its slab, arrives on a named barrier and goes on, instead of syncing its four warps, electing a
                   lane, issuing the TMA reduce and, a step later, waiting for the reduce to have read the slab (FA3's
                   dQ writer; the deterministic mode's ordered waits move to that warp too). On by default: main
                   kernel 1.01-1.20x faster on all 12 swept rows (D=64 and 128; dense, causal, sliding window,
-                  documents, soft-cap) and 1.03-1.29x in deterministic mode (bwd_dq_warp_h200_2026-11-30.json,
-                  bwd_dq_warp_rows_h200_2026-11-30.json); gallery backward spills 1148 -> 584 bytes;
+                  documents, soft-cap) and 1.03-1.29x in deterministic mode (bwd_dq_warp_h200_2026-11-30.json.gz,
+                  bwd_dq_warp_rows_h200_2026-11-30.json.gz); gallery backward spills 1148 -> 584 bytes;
   lpt_order       block-sparse, outside deterministic mode (in it: the turn order, see `default_bwd_config`): the
                   CTAs run KV tiles in an order the launcher hands over (`bwd_launch.QLists.tile_order`): the
                   (batch, KV head) pairs are cut into a few even groups
@@ -51,7 +51,7 @@ call (128 at D=64 where it pays, see `D64_TILE_M`):
                   that visit the most Q tiles go first. Launched head by head, the longest tiles of the last heads
                   (a causal mask's first KV tile, a long document's) started last and ran alone at the end. H200,
                   forward + backward kernel time against the head-by-head order in the same process
-                  (benchmarks/results/fwd_bwd_lpt_order_h200_2026-11-30.json and ..._off_...): causal B4·S4k 1.09x,
+                  (benchmarks/results/fwd_bwd_lpt_order_h200_2026-11-30.json.gz and ..._off_...): causal B4·S4k 1.09x,
                   documents B1·S16k 1.08x, sliding window B4·S4k 1.02x, causal B1·S16k 1.01x, documents B4·S4k
                   1.00x. Groups cut unevenly (a last group of one head) lose to the plain order, hence even groups.
 """
@@ -66,43 +66,43 @@ BWD_HEAD_DIMS = (64, 128, 256)
 # (`BwdConfig.split_head_dim`): a 64 x 256 fp32 dK plus dV is 256 registers per thread of one warpgroup.
 MAX_UNSPLIT_HEAD_DIM = 128
 # Q rows per step at head_dim 64 without a score_mod derivative: 1.13-1.16x faster main kernel than 64 on the dense
-# and causal S16k rows once the wgmma descriptors stayed in uniform registers (bwd_sweep_h200_2026-11-30b.json);
+# and causal S16k rows once the wgmma descriptors stayed in uniform registers (bwd_sweep_h200_2026-11-30b.json.gz);
 # 0.78x with soft-capping, whose derivative keeps the raw scores live; captured-tensor gradients double the per-step
 # work the same way (unmeasured there, so they keep 64).
 D64_TILE_M = 128
 # ... and not for masks of more than this many operations: with 64 scores per thread per step, the gallery's block
 # diffusion, 2-D neighbourhood and sliding-tile masks (19-39 operations) spilled 240-500 bytes, none at 64 rows
-# (benchmarks/results/gallery_backward_spills_2026-11-30.json).
+# (benchmarks/results/gallery_backward_spills_2026-11-30.json.gz).
 D64_MAX_MASK_OPS = 12
 # Q rows per step at head_dim 128 without a block mask and without per-score gradient work, with dQ computed
 # transposed (`dq_swap_ab`): each step reads K and V (the S^T and dP^T GEMMs' A operands) and K^T (dQ's) from shared
 # memory whatever its row count, and shared-memory bandwidth is what bounds this kernel (Nsight: ~0.75 wavefronts per
 # SM cycle, 76% of them wgmma operand reads), so 80 rows read 7.5% fewer bytes per row than 64 (FA3/FA4's dense
 # tile). Main kernel, timed in turns: 1.00-1.03x at B4·S4k (two runs), 1.04x at B1·S16k, 1.07x deterministic
-# (bwd_tile_m80_h200_2026-12-01.json). Fills shared memory (231424 of 232448 bytes). 80 divides no mask block size,
+# (bwd_tile_m80_h200_2026-12-01.json.gz). Fills shared memory (231424 of 232448 bytes). 80 divides no mask block size,
 # hence no block mask: steps merging the mask rows they cover measured 0.93-1.03x
-# (bwd_tile_m80_masked_h200_2026-12-01.json).
+# (bwd_tile_m80_masked_h200_2026-12-01.json.gz).
 DENSE_TILE_M = 80
 # Persistent CTAs (`BwdConfig.persistent_ctas`) where a KV tile walks at most this many query tiles on average
 # (summed over its GQA group; `runs_persistent`). Main kernel against one CTA per tile, timed in turns (H200, three
-# runs; benchmarks/results/bwd_persistent_h200_2026-12-02*.json): ~9 steps (D=64 sliding window) 1.04-1.08x, ~16
+# runs; benchmarks/results/bwd_persistent_h200_2026-12-02*.json.gz): ~9 steps (D=64 sliding window) 1.04-1.08x, ~16
 # (D=64 documents, D=128 soft-cap B2·S2k) 1.02-1.06x, ~18 (D=128 sliding window) 1.03-1.07x; ~31-33 (D=128 causal
 # and documents B4·S4k) 0.99-1.01x; 52-128 (dense B4·S4k, causal S16k) 0.96-1.00x. Each tile's start (K, V and the
 # first Q/dO loads, ~5 µs of a one-tile CTA's life besides its steps) now overlaps the previous tile's epilogue.
 PERSISTENT_MAX_MEAN_STEPS = 24
 # The split tail (`BwdConfig.split_tail`, `split_parts`): what a KV tile costs besides its query steps, in steps, for
 # a whole tile (K and V loaded before the first step, the epilogue after the last: ~5 µs, about two steps, measured
-# in bwd_tile_overhead_h200_2026-12-02.json) and for a part of a cut tile (the same, plus publishing or adding the
+# in bwd_tile_overhead_h200_2026-12-02.json.gz) and for a part of a cut tile (the same, plus publishing or adding the
 # other parts' fp32 dK and dV); at most this many parts per tile, of at least this many steps each.
 WHOLE_TILE_COST_STEPS = 2
 TAIL_PART_COST_STEPS = 3
 MAX_TAIL_PARTS = 8
 MIN_TAIL_PART_STEPS = 4
 # head_dim 64 with 128-row steps: a loop per kind of query tile (`BwdConfig.kind_loops`; the launcher keeps it only
-# under a block mask with a mask_mod). Timed in turns at B1·S16k (bwd_kind_loops_d64_probe_h200_2026-12-03.json):
+# under a block mask with a mask_mod). Timed in turns at B1·S16k (bwd_kind_loops_d64_probe_h200_2026-12-03.json.gz):
 # backward 1.069x causal, 1.051x sliding window, 1.029x documents from stored bits. D=128 keeps the one branching
 # loop: 0.988x and 1.002x backward on causal B4·S4k and B1·S16k in a run that charged the two-loop form host time
-# (bwd_kind_loops_probe_h200_2026-12-03c.json).
+# (bwd_kind_loops_probe_h200_2026-12-03c.json.gz).
 D64_KIND_LOOPS = True
 # Block-sparse backward kernels run their KV tiles longest-first within L2-sized head groups (`lpt_order`).
 LPT_ORDER = True
@@ -131,14 +131,14 @@ class BwdConfig:
     lpt_order: bool = False  # block-sparse, or (as the turn order) deterministic mode: see the module docstring
     # The waits on each Q/dO stage (the consumers' for a full one, the producer's for an empty one) try once without
     # a suspend-time hint before the wait loop that lets warps sleep (`FwdConfig.try_wait_first`). Timed in turns:
-    # 0.95-1.02x of the default's main kernel (bwd_step_candidates_h200_2026-12-01.json); off.
+    # 0.95-1.02x of the default's main kernel (bwd_step_candidates_h200_2026-12-01.json.gz); off.
     try_wait_first: bool = False
     # Each consumer warp arrives on an mbarrier that nobody waits on, with an arrive count computed from the step's
     # first probability (`stage_waits.arrive_after`), just before the wait for dP^T: ptxas keeps that wait behind the
     # arrive. Left free, it hoisted the wait above every exponential of P in the block-mask kernels (dense: after 6
     # of 40), so P was formed after dP^T instead of beside it (the forward's `FwdConfig.anchored_release`). Timed in
     # turns: 0.98-1.02x of the default's main kernel on seven masked rows
-    # (bwd_anchored_wait_sweep_h200_2026-12-01.json); off.
+    # (bwd_anchored_wait_sweep_h200_2026-12-01.json.gz); off.
     anchored_wait: bool = False
     # dQ is computed transposed, dQ^T = K^T dS^T: the head dim on wgmma's M axis (64 per consumer warpgroup) and
     # the query rows on N, so a step may take any multiple of 16 rows, not only 64 or 128 (`DENSE_TILE_M`).
@@ -151,7 +151,7 @@ class BwdConfig:
     # The slab's reduce-add is a plain bulk copy (cp.reduce.async.bulk ... .add.f32 over its contiguous bytes) instead
     # of a TMA tensor reduce: the slab is one contiguous run of `dQaccum` either way, so no tensor map is needed to
     # address it (FA4's sm90 backward adds its dQ partials this way). Off, unmeasured: the one probe run of it
-    # (bwd_dq_bulk_reduce_h200_2026-12-03.json) timed the default against itself.
+    # (bwd_dq_bulk_reduce_h200_2026-12-03.json.gz) timed the default against itself.
     dq_bulk_reduce: bool = False
     # Block-sparse with a mask_mod: a KV tile's partial and full query tiles are walked by two loops, each with its
     # step compiled for that kind (as the forward does), instead of one loop whose step branches on the kind at run
@@ -329,7 +329,7 @@ def drop_gathering_kind_loops(cfg: BwdConfig, mask_gathers: bool) -> BwdConfig:
     (`mask_gathers`) inline: compiled twice, the gathering step spilled (the gallery's bigbird and tree masks, 8 and 112
     bytes at D=64). With stored bits (`mask_bits`, the launcher's choice for such masks) the loops stay: documents
     D=64 B1·S16k, timed in turns, backward 1.029x, forward + backward 1.016x
-    (bwd_kind_loops_d64_probe_h200_2026-12-03.json)."""
+    (bwd_kind_loops_d64_probe_h200_2026-12-03.json.gz)."""
     if cfg.kind_loops and mask_gathers and not cfg.mask_bits:
         return replace(cfg, kind_loops=False)
     return cfg
@@ -342,11 +342,11 @@ def default_bwd_config(head_dim: int, deterministic: bool = False, mod_grads: bo
     - deterministic mode runs the launcher's turn order (`lpt_order` with `TURN_ORDER`, `bwd_launch.turn_tile_order`).
       There each KV tile waits for the tiles before it in turn to add their dQ partials to a Q tile first. Run side
       by side, a head's tiles formed a chain (4-12x flexlab's default time on the sliding-window and document rows,
-      benchmarks/results/bwd_all_h200_2026-11-30b.json); one or two tiles of every head at a time sent the dQ sums
+      benchmarks/results/bwd_all_h200_2026-11-30b.json.gz); one or two tiles of every head at a time sent the dQ sums
       of all heads through DRAM (D=256 dense: 2.3x the default). The turn order lets the heads of an L2 group take
       turns and, under a block mask, gives higher KV tiles the earlier turns, walked in Q order: main kernel
       1.17-1.32x the default's time at D=128 and D=64 against 1.20-1.78x before
-      (bwd_det_pipelined_h200_2026-12-01.json, bwd_det_turns_q_order_h200_2026-12-01.json);
+      (bwd_det_pipelined_h200_2026-12-01.json.gz, bwd_det_turns_q_order_h200_2026-12-01.json.gz);
     - at head_dim 64, 128-row Q steps (`D64_TILE_M`) unless the kernel works on every score for a score_mod
       derivative or captured-tensor gradients (`mod_grads`) or evaluates a mask_mod of more than
       `D64_MAX_MASK_OPS` operations (`mask_ops`), and when the block mask's Q block (`q_block`, None without a mask)
@@ -357,7 +357,7 @@ def default_bwd_config(head_dim: int, deterministic: bool = False, mod_grads: bo
       (`DENSE_TILE_M`, `dq_swap_ab`);
     - with those 128-row steps, `dq_split_rows`: each consumer warpgroup forms 64 rows of dQ over all 64 columns
       (wgmma N = 64, not 32). Main kernel 1.01x dense, 1.05-1.07x causal, sliding window and documents at B1·S16k,
-      1.02x deterministic causal (benchmarks/results/bwd_d64_rows_h200_2026-11-30.json); at 64-row steps it does
+      1.02x deterministic causal (benchmarks/results/bwd_d64_rows_h200_2026-11-30.json.gz); at 64-row steps it does
       not apply, and 128 rows with a soft-cap derivative were 0.93x;
     - with those 128-row steps outside deterministic mode, `kind_loops` (`D64_KIND_LOOPS`; the launcher drops it
       for a mask_mod that reads captured tensors inline, `drop_gathering_kind_loops`).
@@ -366,9 +366,9 @@ def default_bwd_config(head_dim: int, deterministic: bool = False, mod_grads: bo
         # 64 x 64 steps. K, V and a Q/dO stage take 32 KiB each at 256 columns and dS, P 32 KiB together, so the
         # fp32 dQ slab (64 KiB) leaves room for one stage; adding the partials from registers (`dq_red`) leaves room
         # for two: main kernel 1.35-1.47x faster at B4·S4k dense and causal
-        # (benchmarks/results/bwd_d256_dq_red_sweep_h200_2026-12-01.json). Deterministic mode keeps the slab and
+        # (benchmarks/results/bwd_d256_dq_red_sweep_h200_2026-12-01.json.gz). Deterministic mode keeps the slab and
         # one stage: its dQ warp waits for the turns, where consumer warps waiting themselves (`dq_red` in turn, two
-        # stages) measured 0.82-0.83x (bwd_det_d256_h200_2026-12-01.json).
+        # stages) measured 0.82-0.83x (bwd_det_d256_h200_2026-12-01.json.gz).
         return BwdConfig(head_dim=head_dim, tile_m=64, tile_n=64, num_stages=1 if deterministic else 2,
                          dq_red=not deterministic, dq_warp=deterministic, kv_tiles_first=not deterministic,
                          lpt_order=_tile_order(deterministic, q_block))

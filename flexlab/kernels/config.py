@@ -52,9 +52,10 @@ D128_STAGES_FROM_SEQLEN: tuple[tuple[int, int], ...] = ()
 # `flexlab.runtime.sparsity`), or 128. H200 causal, kernel time: 1.06x at B4 S4k, 1.13x at B1 S16k over 128 rows.
 D64_SPARSE_TILE_M = 192
 # Dense kernels (no mask, no score_mod): CTAs per K/V multicast cluster (`FwdConfig.cluster_m`), 1 or 2. H200, kernel
-# time: D=64 1.03-1.07x at B4 S4k and B1 S16k over three sweeps (benchmarks/results/fwd_cluster2_h200_2026-11-30.json);
+# time: D=64 1.03-1.07x at B4 S4k and B1 S16k over three sweeps
+# (benchmarks/results/fwd_cluster2_h200_2026-11-30.json.gz);
 # D=128 1.044x at B4 S4k and 1.033x at B1 S16k, timed in 7 interleaved rounds beside the baseline, the baseline again
-# (1.005x, 1.002x) and FA4 (benchmarks/results/fwd_interleaved_h200_2026-12-01.json). Sweeps that timed each kernel
+# (1.005x, 1.002x) and FA4 (benchmarks/results/fwd_interleaved_h200_2026-12-01.json.gz). Sweeps that timed each kernel
 # once had put D=128 within their run-to-run noise (0.99-1.02x). Short keys still go dynamic at D=128
 # (`runtime.launch.runs_dynamic`): one CTA per SM has no cluster partner.
 D64_DENSE_CLUSTER_M = 2
@@ -63,7 +64,7 @@ D128_DENSE_CLUSTER_M = 2
 # this many KV blocks on average (dense: Skv / tile_n; under a block mask: its lists), so that per-tile prologue and
 # epilogue (Q load, first K, O store) overlap the previous tile's work. Their steps are ~7% longer (481 against 449
 # SASS instructions per dense D=128 step), so long tiles stay one CTA per tile. H200 kernel time against one CTA per
-# tile (benchmarks/results/fwd_dynamic_tiles_h200_2026-11-30.json): documents B4 S4k 1.17x (4 blocks per tile),
+# tile (benchmarks/results/fwd_dynamic_tiles_h200_2026-11-30.json.gz): documents B4 S4k 1.17x (4 blocks per tile),
 # causal B8 S1k 1.09x, sliding window 1.05x at S4k and S16k (9), causal B4 S4k 1.03x (16.5) and D=64 1.06x; alibi
 # and soft-cap B4 S4k 0.98-1.00x (16.5), documents B1 S16k 0.98x (17.3, within the baseline's own spread); causal
 # B1 S16k 0.98x (64.5), alibi B1 S16k 0.94x. Dense D=64 keeps its K/V multicast clusters instead. 0 turns it off.
@@ -72,7 +73,7 @@ DYNAMIC_MAX_MEAN_KV_BLOCKS = 20
 # many KV blocks run as static persistent clusters, one per SM pair, each walking pairs of Q tiles
 # (`FwdConfig.persistent_ctas` with `cluster_m`), so the next pair's first loads overlap this pair's epilogue.
 # H200, kernel time in interleaved rounds against one cluster per pair (two runs,
-# benchmarks/results/fwd_persistent_cluster2_h200_2026-12-01{,b}.json): B4 S4k (32 blocks) 1.016x / 1.032x at D=128
+# benchmarks/results/fwd_persistent_cluster2_h200_2026-12-01{,b}.json.gz): B4 S4k (32 blocks) 1.016x / 1.032x at D=128
 # and 1.038x / 1.040x at D=64; B1 S16k (128 blocks) 1.000-1.007x, where they run with the split tail instead
 # (`SPLIT_TAIL_MIN_MEAN_KV_BLOCKS`).
 PERSISTENT_CLUSTER_MAX_MEAN_KV_BLOCKS = 64
@@ -80,8 +81,8 @@ PERSISTENT_CLUSTER_MAX_MEAN_KV_BLOCKS = 64
 # clusters with the split tail (`FwdConfig.split_tail`): the pairs after the last whole round are cut into one even
 # run of KV blocks per cluster. H200, kernel time in interleaved rounds against one cluster per pair, B1 S16k (128
 # blocks): 1.013x at D=128 and 1.024x at D=64 in 7 rounds (persistent clusters alone 0.994x, 1.009x;
-# benchmarks/results/fwd_split_tail_sweep_h200_2026-12-02.json), 1.048x and 1.047x in 9 (persistent clusters with
-# the tail whole 1.010x, 1.016x; ..._2026-12-02c.json). At B4 S4k (32 blocks, persistent clusters) 0.996-1.001x and
+# benchmarks/results/fwd_split_tail_sweep_h200_2026-12-02.json.gz), 1.048x and 1.047x in 9 (persistent clusters with
+# the tail whole 1.010x, 1.016x; ..._2026-12-02c.json.gz). At B4 S4k (32 blocks, persistent clusters) 0.996-1.001x and
 # 0.998-1.002x over two runs, so mid-length tiles keep the last round whole. 0 turns it off.
 SPLIT_TAIL_MIN_MEAN_KV_BLOCKS = 65
 # Block-sparse masks whose mask_mod reads captured tensors (document ids, spans): partial blocks test bits the
@@ -91,20 +92,20 @@ STORE_MASK_BITS = True
 # D=64 kernels that read stored mask bits (no score_mod; the mask then needs no registers of its own): 192-row tiles
 # where a 128-row tile visits at least this many KV blocks on average under the mask (0: never). H200 kernel time of
 # 192 rows (with dynamic tiles below DYNAMIC_MAX_MEAN_KV_BLOCKS) against 128, documents
-# (benchmarks/results/fwd_d64_bits_tiles_sweep_h200_2026-11-30.json): 0.92x at 4.0 blocks per tile (B4 S4k), 1.07x
+# (benchmarks/results/fwd_d64_bits_tiles_sweep_h200_2026-11-30.json.gz): 0.92x at 4.0 blocks per tile (B4 S4k), 1.07x
 # at ~8.5 (B2 S8k), 1.08x at 17.3 (B1 S16k). Short tiles lose to the longer prologue of three 192-row slabs.
 D64_BITS_TILE192_MIN_MEAN_KV_BLOCKS = 6.0
 # Block-mask, score_mod and persistent kernels at D <= 128 tie each step's K release to its first probability
 # (`FwdConfig.anchored_release`) and mark the stage warp-uniform (`FwdConfig.uniform_stage`). H200, kernel time
 # against the earlier default, interleaved rounds, with the anchor in inline-mask partial loops too
-# (benchmarks/results/fwd_anchored_release_h200_2026-12-01.json):
+# (benchmarks/results/fwd_anchored_release_h200_2026-12-01.json.gz):
 # causal 1.05x at B1 S16k and 1.11x at B4 S4k, sliding window 1.05x, ALiBi 1.14x, dense B8 S1k (persistent) 1.03x,
 # D=64 causal 1.02x, soft-cap 1.00x, documents 0.99x. The plain dense kernels, which ptxas already schedules that
 # way, stay as they are (0.98-0.99x with it).
 ANCHORED_RELEASE = True
 # Head dims from which the forward rescales O lazily (`FwdConfig.lazy_rescale`; 0: never): a warp leaves its softmax
 # reference max, and O, alone until some row's max outgrows it by 2^8. H200, forward timed in turns, the median of
-# each round's ratio (benchmarks/results/fwd_lazy_rescale_probe_h200_2026-12-03.json): D=256 1.07x dense and 1.10x
+# each round's ratio (benchmarks/results/fwd_lazy_rescale_probe_h200_2026-12-03.json.gz): D=256 1.07x dense and 1.10x
 # causal at B4·S4k; D=128 1.02x dense and causal at B4·S4k, 1.01x at B1·S16k (dense, causal, sliding window);
 # D=64 causal B1·S16k 0.99x, where the rescale is 32 multiplies per thread and step.
 LAZY_RESCALE_MIN_HEAD_DIM = 128
@@ -142,7 +143,7 @@ class FwdConfig:
     early_block_index: bool = False  # read the next KV block index before waiting on its K (block-sparse)
     # Partial blocks: mask_mod into bit masks while the QK GEMM runs (reads the block index early too). H200,
     # 2026-11-30: 0.98x on the document rows, 1.01-1.02x on sliding windows
-    # (benchmarks/results/mask_early_h200_2026-11-30.json); with 192-row tiles (160 registers per thread) it spills.
+    # (benchmarks/results/mask_early_h200_2026-11-30.json.gz); with 192-row tiles (160 registers per thread) it spills.
     mask_early: bool = False
     # Block-sparse only: partial blocks read their mask from bits stored by the launcher (`runtime.mask_bits`, passed
     # after the four block lists) instead of evaluating mask_mod; the launcher's choice for masks that read captured
@@ -151,7 +152,7 @@ class FwdConfig:
     # The K/V stage index of each overlapped step marked warp-uniform where the wgmma descriptors are formed (as the
     # backward does): ptxas then keeps more of the descriptor arithmetic in 64-bit uniform adds. CPU compile, dense
     # D=128 step: 481 -> 467 SASS instructions with dynamic tiles, 449 -> 452 one CTA per tile. H200 sweep
-    # (benchmarks/results/fwd_uniform_stage_sweep_h200_2026-11-30.json): 0.94-1.00x of the baseline on the D=128
+    # (benchmarks/results/fwd_uniform_stage_sweep_h200_2026-11-30.json.gz): 0.94-1.00x of the baseline on the D=128
     # dense, causal, ALiBi and soft-cap rows, with dynamic tiles 0.89-1.01x; no row faster beyond the baseline's own
     # spread (its repeat read 0.86-1.01x in that run). Off alone; on with `anchored_release`, whose rearranged step
     # it trims (causal full-block step 486 -> 472 instructions).
@@ -162,13 +163,13 @@ class FwdConfig:
     # the slices more often, BENCHMARKS.md 2026-12-01). 1.03-1.07x at D=64, 1.03-1.04x at D=128: the dense default
     # at both (`D64_DENSE_CLUSTER_M`, `D128_DENSE_CLUSTER_M`). With static persistent CTAs each cluster walks pairs
     # of tiles (`tile_scheduler.pair_coords`): timed in turns against one cluster per pair, 1.000-1.016x at D=128
-    # and 1.000-1.038x at D=64 (benchmarks/results/fwd_persistent_cluster2_h200_2026-12-01.json), not the default.
+    # and 1.000-1.038x at D=64 (benchmarks/results/fwd_persistent_cluster2_h200_2026-12-01.json.gz), not the default.
     cluster_m: int = 1
     # Waits on the Q/K/V stages (the consumers' for a full stage, the producer's for an empty one) try once without a
     # suspend-time hint before the wait loop whose hint lets the warps sleep, as FA4's do in effect; ours enter that
     # loop (NANOSLEEP.SYNCS in the SASS) at the first miss. CPU compile: the one difference found between the two
     # dense D=128 main loops (449 and 455 SASS instructions, the same 16 HGMMA) and producer loops. H200, 9 core
-    # rows: 0.97-1.02x, 0.997x geometric mean (fwd_try_wait_first_h200_2026-12-01.json); off.
+    # rows: 0.97-1.02x, 0.997x geometric mean (fwd_try_wait_first_h200_2026-12-01.json.gz); off.
     try_wait_first: bool = False
     # The K stage's release in each overlapped step is tied to the step's first probability
     # (`stage_waits.release_after`), and ptxas keeps the step's wait for the P.V GEMM behind that release. Left free,
@@ -188,7 +189,7 @@ class FwdConfig:
     # the kernel before on the stream drains its last wave, and wait (`griddepcontrol.wait`) before their first
     # global access. Persistent kernels, whose CTAs are all resident from the start, then let the next kernel (the
     # backward's preprocess, itself chained: `BwdConfig.chained_launch`) launch at once. Off, unmeasured: the one
-    # probe run of it (fwd_chained_probe_h200_2026-12-03.json) timed the default against itself.
+    # probe run of it (fwd_chained_probe_h200_2026-12-03.json.gz) timed the default against itself.
     chained_launch: bool = False
     # Debug only, never set by the public API: stages removed for timing (names in ABLATIONS; results are wrong).
     ablate: tuple[str, ...] = ()
@@ -315,7 +316,7 @@ def default_config(head_dim: int, block_sparse: bool = False, has_score_mod: boo
         dense = {} if block_sparse or has_score_mod else {"cluster_m": D128_DENSE_CLUSTER_M}
         return FwdConfig(head_dim=128, tile_m=128, tile_n=128, num_stages=d128_stages(seqlen_k), **opts, **dense)
     # D=256: 80-key tiles fill shared memory with two stages; dense 1.01-1.03x of 64 at B4·S4k and B1·S16k, equal at
-    # B8·S1k (benchmarks/results/fwd_d256_tile_n{64,80}_h200_2026-12-01.json). A block mask needs a divisor of 128.
+    # B8·S1k (benchmarks/results/fwd_d256_tile_n{64,80}_h200_2026-12-01.json.gz). A block mask needs a divisor of 128.
     return FwdConfig(head_dim=256, tile_m=128, tile_n=64 if block_sparse else 80, num_stages=2, **opts)
 
 

@@ -1,8 +1,12 @@
-"""Tables and JSON of the benchmark: best-peer choice, formatting, merging."""
+"""Tables and JSON of the benchmark: best-peer choice, formatting, merging, files."""
+import gzip
 import json
+from pathlib import Path
 
 from flexlab.bench.report import (best_peer, format_document, format_markdown, format_row, merge_documents,
-                                  summarize_row, write_json)
+                                  read_json, result_files, summarize_row, write_json)
+
+RESULTS = Path(__file__).parents[2] / "benchmarks" / "results"
 
 
 def _row(name="fwd causal B1 S4k H16 D128 bf16", **results):
@@ -80,3 +84,27 @@ def test_rounds_that_waited_for_the_host_are_flagged():
     text = format_row(rec)
     assert "wall > 1.1x kernel in 3/5 rounds" in text.splitlines()[1]
     assert "rounds" not in text.splitlines()[2]
+
+
+def test_results_round_trip_plain_and_gzip(tmp_path):
+    doc = {"schema": 1, "rows": [{"name": "fwd dense B1 S1k H2 D64 bf16", "results": {}}]}
+    write_json(doc, tmp_path / "a.json")
+    write_json(doc, tmp_path / "b.json.gz")
+    assert json.loads((tmp_path / "a.json").read_text()) == doc
+    assert json.loads(gzip.decompress((tmp_path / "b.json.gz").read_bytes())) == doc
+    (tmp_path / "notes.txt").write_text("not a result")
+    assert [p.name for p in result_files(tmp_path)] == ["a.json", "b.json.gz"]
+    assert [read_json(p) for p in result_files(tmp_path)] == [doc, doc]
+    assert result_files(tmp_path / "missing") == []
+
+
+def test_committed_results_are_compressed_and_readable():
+    # results are committed gzip-compressed, a seventh of their plain size, to keep the repository small
+    files = sorted(RESULTS.iterdir())
+    assert files and all(p.name.endswith((".json.gz", ".txt.gz")) for p in files), \
+        [p.name for p in files if not p.name.endswith(".gz")]
+    for path in files:
+        if path.name.endswith(".json.gz"):
+            assert isinstance(read_json(path), (dict, list)), path.name
+        else:
+            assert gzip.decompress(path.read_bytes()).strip(), path.name

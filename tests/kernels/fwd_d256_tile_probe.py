@@ -5,7 +5,7 @@
 Runs flexlab's forward with `default_config` answering (128, TILE_N, 2 stages) for dense D=256, checks one (batch,
 head) block against fp32 SDPA (rel-L2) and times the call (median of `triton.testing.do_bench`, wall time of the
 public call) at B4·S4k, B1·S16k and B8·S1k, H=16, bf16. Run once per width in separate processes, twice each in
-turn, to compare widths (benchmarks/results/fwd_d256_tile_n{64,80}_h200_2026-12-01.json).
+turn, to compare widths (benchmarks/results/fwd_d256_tile_n{64,80}_h200_2026-12-01.json.gz).
 """
 import json
 import os

@@ -257,7 +257,7 @@ def test_main_kernel_with_learnable_bias_d128_nearly_fits():
     reading them from global memory it spilled about 130 bytes. The dQ warp (`BwdConfig.dq_warp`, 1.01-1.29x on the
     swept rows) left 8 bytes of spill stores and loads here, 4 since the gradient adds walk the scores row by row
     into per-thread runs (`bwd_aux_grad.GradRun`): the ceiling; the gallery's learnable relative bias has none
-    (benchmarks/results/gallery_backward_spills_2026-11-30b.json)."""
+    (benchmarks/results/gallery_backward_spills_2026-11-30b.json.gz)."""
     from flexlab.kernels.bwd_launch import compile_main
     g = _learnable_bias_mods()
     _, report = _assemble(compile_main(_main_key(128, True, g), g.module(), options=KEEP_PTX))
@@ -444,9 +444,9 @@ def test_d64_heavy_masks_keep_64_row_steps_without_spills():
 
 # Backward spill bytes (stores, loads) of the gallery kernels that spill or once did, with the launcher's
 # configuration, trainable tensors requiring grad and a block mask at 128 (benchmarks/results/
-# gallery_backward_spills_2026-11-30c.json: dQ slab in fragment order, dk_after_dq): a ceiling, so a change that makes
-# them worse fails here; lowering them is open work. With the block-sparse CTA order (`BwdConfig.lpt_order`: the KV
-# tile, head and batch come from the order table, not the block index) natten_2d_dilated D=128 went 244/252 ->
+# gallery_backward_spills_2026-11-30c.json.gz: dQ slab in fragment order, dk_after_dq): a ceiling, so a change that
+# makes them worse fails here; lowering them is open work. With the block-sparse CTA order (`BwdConfig.lpt_order`: the
+# KV tile, head and batch come from the order table, not the block index) natten_2d_dilated D=128 went 244/252 ->
 # 248/256, and others went down: block_diffusion D=128 52/56 -> 44/48, bigbird 12/12 -> 4/8 (D=128) and 4/8 -> 0/0
 # (D=64), tree_attention D=64 16/24 -> 12/20; shared_prefix D=64 had reached 0 with stored mask bits.
 GALLERY_BWD_SPILL_CEILINGS = {

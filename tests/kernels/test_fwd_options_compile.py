@@ -115,12 +115,12 @@ def test_launcher_config_for_a_document_mask_has_no_spills(D):
 
 
 # Forward spill bytes (stores, loads) of gallery variants whose mods keep many values live, measured at the commit that
-# set them (benchmarks/results/gallery_forward_spills_2026-11-30b.json; document and shared prefix D=128 went to 0 with
-# the static unit stride of 1-D captured tensors, gallery_forward_spills_2026-11-30c.json): a ceiling, so a change
+# set them (benchmarks/results/gallery_forward_spills_2026-11-30b.json.gz; document and shared prefix D=128 went to 0
+# with the static unit stride of 1-D captured tensors, in a later run that was not saved): a ceiling, so a change
 # that makes them worse fails here; lowering them is open work. ptxas allocates for the whole kernel, so a change
 # elsewhere in the kernel can move spills between variants (taking the key-tail test out of both loops lowered most,
 # raised a few). Masks that read captured tensors (bigbird here) read stored bits now and spill nothing
-# (benchmarks/results/gallery_mask_bits_spills_2026-11-30.json: bigbird D=128 52 -> 0, dynamic 68 -> 0).
+# (benchmarks/results/gallery_mask_bits_spills_2026-11-30.json.gz: bigbird D=128 52 -> 0, dynamic 68 -> 0).
 GALLERY_SPILL_CEILINGS = {("document", 128): (0, 0), ("document", 64): (0, 0), ("shared_prefix", 128): (0, 0),
                           ("tree_attention", 128): (0, 0), ("natten_2d_dilated", 128): (188, 200),
                           ("bigbird", 128): (0, 0), ("block_diffusion", 128): (156, 156),
@@ -128,8 +128,9 @@ GALLERY_SPILL_CEILINGS = {("document", 128): (0, 0), ("document", 64): (0, 0), (
 
 
 # The same for the persistent kernel with dynamic tiles, which the launcher runs where tiles are short (every gallery
-# variant at S=1024): measured when it became the default (benchmarks/results/gallery_forward_spills_dynamic_2026-11-30.json;
-# over all 52 kernels 1420 bytes of spill stores against 1320 for one CTA per tile).
+# variant at S=1024): measured when it became the default
+# (benchmarks/results/gallery_forward_spills_dynamic_2026-11-30.json.gz; over all 52 kernels 1420 bytes of spill
+# stores against 1320 for one CTA per tile).
 GALLERY_SPILL_CEILINGS_DYNAMIC = {("document", 128): (0, 0), ("document", 64): (0, 0), ("sliding_window", 128): (0, 0),
                                   ("natten_2d_dilated", 128): (216, 236), ("bigbird", 128): (0, 0),
                                   ("sliding_tile", 64): (52, 76), ("block_diffusion", 128): (152, 156)}
