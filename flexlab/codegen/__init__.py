@@ -2,8 +2,9 @@
 
 Pipeline: `frontend` traces the mods on proxies (closures included, see `captures`: captured tensors become kernel
 inputs, captured numbers runtime arguments) into the typed IR of `ir`, built through `build`; `derivative` adds the
-backward; `lower_cute` writes the CuTeDSL source; `lower_torch` evaluates the same IR with torch. `generate()` (in
-`generated`) ties them together; `probe` (imports cutlass) is a small sm_90a kernel that runs generated mods on an
+backward; `lower_cute` writes the CuTeDSL source, with `mask_band` where `band` finds a mask that keeps a key range
+per query (causal, sliding windows); `lower_torch` evaluates the same IR with torch. `generate()` (in `generated`)
+ties them together; `probe` (imports cutlass) is a small sm_90a kernel that runs generated mods on an
 accumulator-shaped fragment for compile and GPU checks. Importing this package does not import cutlass.
 
 Example::

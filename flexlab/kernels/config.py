@@ -191,6 +191,13 @@ class FwdConfig:
     # backward's preprocess, itself chained: `BwdConfig.chained_launch`) launch at once. Off, unmeasured: the one
     # probe run of it (fwd_chained_probe_h200_2026-12-03.json.gz) timed the default against itself.
     chained_launch: bool = False
+    # Partial blocks of a mask the code generator recognises as a band of keys per query (causal, sliding windows:
+    # `flexlab.codegen.band`) are masked per row: the row's key range becomes one word of bits and each score is kept
+    # by its bit (`mask.apply_band_mask`), instead of evaluating mask_mod per score. CPU compile, SASS instructions
+    # per partial-block step with mask_mod / with this: sliding window (persistent, as launched) D=64 720 / 572,
+    # D=128 767 / 619, D=256 609 / 553; causal D=64 595 / 568, D=128 638 / 607 (full-block steps unchanged).
+    # Off, not yet run on a GPU.
+    band_mask: bool = False
     # Debug only, never set by the public API: stages removed for timing (names in ABLATIONS; results are wrong).
     ablate: tuple[str, ...] = ()
 

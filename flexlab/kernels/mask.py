@@ -127,3 +127,48 @@ def keep_bit_or_neg_inf(word: Uint32, bit: cutlass.Constexpr[int], score: Float3
         "{\n.reg .pred p;\n.reg .b32 t;\nand.b32 t, $2, " + str(int(bit)) + ";\nsetp.ne.u32 p, t, 0;\n"
         "selp.f32 $0, $1, 0fFF800000, p;\n}",
         "=f,f,r", has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+# ---------------------------------------------------------------------------- band masks
+# A mask_mod the code generator recognises as a band (`flexlab.codegen.band`: keys lo(q) <= kv_idx < hi(q)) is
+# applied per row, not per score: the row's key range becomes a count of the thread's leading elements below each
+# bound, two shifts make a word with one bit per element, and each score is kept or set to -inf by its bit (ptxas
+# moves several bits into predicates at once with R2P). The thread's elements of one row sit at columns
+# 8 j + e (j = 0, 1, ..., e = 0/1) past its first one, in the accumulator layout `apply_fragment_bits` reads.
+BAND_MAX_ROW_ELEMENTS = 32  # one 32-bit word per row: tiles up to 128 keys wide
+
+
+@dsl_user_op
+def _ones_from(count: Int32, *, loc=None, ip=None) -> Uint32:
+    """0xFFFFFFFF << count as PTX computes it: 0 for count >= 32 (a count is never negative here)."""
+    return Uint32(llvm.inline_asm(
+        T.i32(), [Int32(count).ir_value(loc=loc, ip=ip)], "shl.b32 $0, -1, $1;", "=r,r",
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@cute.jit
+def _elements_before(limit: Int32) -> Int32:
+    """How many of a thread's row elements lie at column offsets (8 j + e) below `limit`."""
+    x = cutlass.max(limit, Int32(0))
+    return (x >> 3) * 2 + cutlass.min(x & 7, Int32(2))
+
+
+@cute.jit
+def apply_band_mask(acc_s: cute.Tensor, coords: cute.Tensor, band: cutlass.Constexpr, batch: Int32, head: Int32,
+                    q_start: Int32, kv_start: Int32, aux_tensors, aux_scalars):
+    """-inf outside each row's key range `band(b, h, q_idx, ...)` = (lo, hi); the same result as mask_mod."""
+    n = cute.size(acc_s)
+    if cutlass.const_expr(n % (2 * FRAGMENT_ROWS) != 0 or n // FRAGMENT_ROWS > BAND_MAX_ROW_ELEMENTS):
+        raise ValueError(f"a band mask covers up to {BAND_MAX_ROW_ELEMENTS} scores per row of an m64nN accumulator "
+                         f"fragment, got {n} scores over {FRAGMENT_ROWS} rows")
+    first_col = kv_start + coords[0][1]
+    words = []
+    for h in cutlass.range_constexpr(FRAGMENT_ROWS):
+        lo, hi = band(batch, head, q_start + coords[2 * h][0], aux_tensors, aux_scalars)
+        from_lo = _ones_from(_elements_before(lo - first_col))  # elements at or past lo
+        from_hi = _ones_from(_elements_before(hi - first_col))  # elements at or past hi
+        words.append(from_lo & ~from_hi)
+    for i in cutlass.range_constexpr(n):
+        e, h, j = i % 2, (i // 2) % 2, i // 4
+        keep = Boolean(words[h] & (Uint32(1) << (2 * j + e)))
+        acc_s[i] = acc_s[i] if keep else -Float32.inf

@@ -390,3 +390,43 @@ def test_zero_and_negative_scale_take_torch_backend(D):
         ref_out, _ = reference(q, k, v, None, bm, scale)
         assert not torch.isnan(out).any()
         assert rel_l2(out, ref_out) < TOLERANCES[q.dtype], scale
+
+
+@needs_hopper
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("variant,Sq,Skv", [("causal", 777, 1100), ("causal", 6000, 6000),
+                                           ("sliding_window", 777, 1100), ("gemma2_local", 1000, 1000)])
+def test_band_mask_matches_mask_mod(D, variant, Sq, Skv, monkeypatch):
+    """`FwdConfig.band_mask`: partial blocks of a mask the code generator recognises as a band (causal, sliding
+    windows, with and without a score_mod) are masked per row from the generated `mask_band`. The same outputs and
+    LSE as evaluating mask_mod per score, bitwise, and float64 within tolerance; ragged key lengths, Sq != Skv, GQA,
+    persistent tiles (short tiles) and one CTA per tile (causal at 6000)."""
+    import dataclasses
+
+    import flexlab
+    import flexlab.api as api
+    from flexlab.gallery import load_gallery
+    from flexlab.runtime import launch
+    mods = load_gallery()[variant].build(B=2, H=4, Q_LEN=Sq, KV_LEN=Skv, device="cuda")
+    bm = flexlab.create_block_mask(mods.mask_mod, 1, 1, Sq, Skv, device="cuda")
+    q, k, v = random_qkv(2, 4, Sq, Skv, D, torch.bfloat16, "cuda", Hkv=2)
+    launcher, outs = launch.scheduled, {}
+    for band in (False, True):
+        made = {}
+
+        def hook(*a, **kw):
+            cfg = launcher(*a, **kw)
+            return made.setdefault(cfg, dataclasses.replace(cfg, band_mask=band))
+
+        monkeypatch.setattr(launch, "scheduled", hook)
+        launch._PLANS.clear()
+        api._WARM.clear()
+        out, lse = flexlab.flex_attention(q, k, v, mods.score_mod, block_mask=bm, enable_gqa=True, return_lse=True,
+                                          backend="cute")
+        assert made, "the launcher never asked for a configuration"
+        outs[band] = (out, lse)
+    launch._PLANS.clear()
+    api._WARM.clear()
+    assert torch.equal(outs[True][0], outs[False][0])
+    assert torch.equal(outs[True][1], outs[False][1])
+    _check(outs[True][0], outs[True][1], q, k, v, mods.score_mod, block_mask=bm)

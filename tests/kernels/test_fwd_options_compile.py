@@ -408,3 +408,33 @@ def test_lazy_rescale_branches_over_the_o_rescale(D):
     skipped = [i for i, ins in enumerate(body[:-1]) if "BRA" in ins
                and all(x.startswith("FMUL") for x in body[i + 1:i + 1 + D // 2])]
     assert skipped, "no branch over a run of head_dim / 2 multiplies"
+
+
+# SASS instructions per partial-block step, sliding window of the gallery with the launcher's persistent kernel
+# (`FwdConfig.band_mask` off / on, CPU compile when the option landed): D=64 720 / 572, D=128 767 / 619, D=256
+# 609 / 553; the full-block step the same either way (424, 481, 465).
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_band_mask_tests_each_row_once(D):
+    """`FwdConfig.band_mask`: a sliding window's partial blocks take each row's key range from the generated
+    `mask_band` and keep scores by bit (R2P + FSEL), instead of two integer compares per score; the full-block step
+    is unchanged and nothing spills."""
+    from flexlab.gallery import load_gallery
+    from flexlab.runtime.compile import forward_ptx
+    from flexlab.runtime.launch import _dynamic
+    from flexlab.viz.compile_report import _forward_key, report_from_ptx
+    mods = load_gallery()["sliding_window"].build(B=1, H=4, Q_LEN=4096, KV_LEN=4096)
+    key, kmods, cfg = _forward_key(mods.score_mod, mods.mask_mod, "bfloat16", D, None, "sm_90a")
+    steps = {}
+    for band in (False, True):
+        rep = report_from_ptx(forward_ptx(dataclasses.replace(key, config=_dynamic(
+            dataclasses.replace(cfg, band_mask=band), 132)), kmods))
+        if rep.missing:
+            pytest.skip(f"needs {rep.missing}")
+        assert rep.spill_store_bytes == 0 and rep.spill_load_bytes == 0
+        steps[band] = rep.gemm_loops[:2]  # the partial-block loop, then the full-block loop
+    (partial, full), (band_partial, band_full) = steps[False], steps[True]
+    assert partial.get("ISETP.GE.AND", 0) >= 64 and band_partial.get("ISETP.GE.AND", 0) <= 4, \
+        band_partial.most_common(12)
+    assert band_partial.get("R2P", 0) > 0
+    assert sum(band_partial.values()) <= sum(partial.values()) - 40, (sum(band_partial.values()), sum(partial.values()))
+    assert sum(band_full.values()) == sum(full.values())
