@@ -5,7 +5,8 @@ conjunctions of comparisons in which kv_idx appears once with coefficient +1 or 
 from below or above by an expression of q_idx, constants and captured scalars alone, so a kernel can compute one key
 range per row and turn it into a word of bits instead of comparing every score (`flexlab.kernels.mask.
 apply_band_mask`). `key_band` finds that form in the IR and adds the bounds to the graph as nodes of their own, which
-the emitter writes out as the generated `mask_band` function; anything else (disjunctions, gathers, divisions, a
+the emitter writes out as the generated `mask_band` function; `query_band` reads the same bounds by key, for the
+backward, whose score rows are keys (`mask_band_by_key`). Anything else (disjunctions, gathers, divisions, a
 condition on q_idx alone) is not a band and keeps the per-element mask_mod.
 """
 from __future__ import annotations
@@ -107,11 +108,12 @@ def _bound(g: Graph, i: int) -> tuple[str, _Affine] | None:
 
 
 def _add_affine(g: Graph, form: _Affine) -> int:
-    """Nodes computing `form` (free of kv_idx), written as the user would: q_idx - window + 1."""
+    """Nodes computing `form`, written as the user would: q_idx - window + 1."""
     terms = []  # (positive, node)
-    if form.a_q:
-        q = g.input("q_idx")
-        terms.append((form.a_q > 0, q if abs(form.a_q) == 1 else g.add("mul", (q, g.const(abs(form.a_q), INT)), INT)))
+    for name, coef in (("kv_idx", form.a_kv), ("q_idx", form.a_q)):
+        if coef:
+            x = g.input(name)
+            terms.append((coef > 0, x if abs(coef) == 1 else g.add("mul", (x, g.const(abs(coef), INT)), INT)))
     for s, c in form.scalars:
         terms.append((c > 0, s if abs(c) == 1 else g.add("mul", (s, g.const(abs(c), INT)), INT)))
     if form.const or not terms:
@@ -125,24 +127,66 @@ def _add_affine(g: Graph, form: _Affine) -> int:
     return out
 
 
-def key_band(g: Graph, mask_root: int | None) -> KeyBand | None:
-    """The band form of the mask rooted at `mask_root`, its bounds added to `g` (scope "mask_band"), or None."""
+def _bounds(g: Graph, mask_root: int | None) -> list[tuple[str, _Affine]] | None:
+    """The mask's bounds on kv_idx, or None if it is not a conjunction of them."""
     if mask_root is None or g.nodes[mask_root].kind != BOOL:
         return None
     bounds = [_bound(g, c) for c in _conjuncts(g, mask_root)]
-    if not bounds or any(b is None for b in bounds):
+    return None if not bounds or any(b is None for b in bounds) else bounds
+
+
+def _range(g: Graph, lows: list[int], highs: list[int]) -> KeyBand:
+    lo = hi = None
+    for node in lows:
+        lo = node if lo is None else g.add("maximum", (lo, node), INT)
+    for node in highs:
+        hi = node if hi is None else g.add("minimum", (hi, node), INT)
+    lo = g.const(NO_LOWER_BOUND, INT) if lo is None else lo
+    hi = g.const(NO_UPPER_BOUND, INT) if hi is None else hi
+    return KeyBand(lo, hi)
+
+
+def key_band(g: Graph, mask_root: int | None) -> KeyBand | None:
+    """The band form of the mask rooted at `mask_root`, its bounds added to `g` (scope "mask_band"), or None."""
+    bounds = _bounds(g, mask_root)
+    if bounds is None:
         return None
     scope, g.scope = g.scope, "mask_band"
     try:
-        lo = hi = None
-        for side, form in bounds:
-            node = _add_affine(g, form)
-            if side == "lo":
-                lo = node if lo is None else g.add("maximum", (lo, node), INT)
-            else:
-                hi = node if hi is None else g.add("minimum", (hi, node), INT)
-        lo = g.const(NO_LOWER_BOUND, INT) if lo is None else lo
-        hi = g.const(NO_UPPER_BOUND, INT) if hi is None else hi
+        lows = [_add_affine(g, form) for side, form in bounds if side == "lo"]
+        highs = [_add_affine(g, form) for side, form in bounds if side == "hi"]
+        return _range(g, lows, highs)
     finally:
         g.scope = scope
-    return KeyBand(lo, hi)
+
+
+def query_band(g: Graph, mask_root: int | None) -> KeyBand | None:
+    """The same band read the other way, for kernels whose accumulator rows are keys (the backward's S^T): the
+    queries q_lo <= q_idx < q_hi that key kv_idx is kept for, as nodes in `g` (scope "mask_band_by_key"); None
+    where a bound's q_idx coefficient is not 0, 1 or -1. A bound free of q_idx (kv_idx < 100) keeps a key for every
+    query or for none."""
+    bounds = _bounds(g, mask_root)
+    if bounds is None or any(form.a_q not in (-1, 0, 1) for _, form in bounds):
+        return None
+    scope, g.scope = g.scope, "mask_band_by_key"
+    try:
+        lows, highs, key_ok = [], [], None
+        one = _Affine(0, 0, 1, ())
+        for side, form in bounds:
+            rest = _Affine(0, 0, form.const, form.scalars)  # the bound is a_q * q_idx + rest
+            kv = _Affine(1, 0, 0, ())
+            if form.a_q == 0:  # kv_idx >= rest / kv_idx < rest, whatever the query
+                cond = g.add("ge" if side == "lo" else "lt", (g.input("kv_idx"), _add_affine(g, rest)), BOOL)
+                key_ok = cond if key_ok is None else g.add("logical_and", (key_ok, cond), BOOL)
+            elif (side == "lo") == (form.a_q == 1):  # kv >= q + rest, or kv < -q + rest: q below a limit
+                limit = kv.plus(rest.scaled(-1)).plus(one) if side == "lo" else rest.plus(kv.scaled(-1))
+                highs.append(_add_affine(g, limit))
+            else:  # kv < q + rest, or kv >= -q + rest: q from a limit on
+                limit = kv.plus(rest.scaled(-1)).plus(one) if side == "hi" else rest.plus(kv.scaled(-1))
+                lows.append(_add_affine(g, limit))
+        band = _range(g, lows, highs)
+        if key_ok is not None:  # a key no query keeps: an empty range
+            band = KeyBand(band.lo, g.add("where", (key_ok, band.hi, g.const(NO_LOWER_BOUND, INT)), INT))
+        return band
+    finally:
+        g.scope = scope

@@ -1,4 +1,4 @@
-"""Readable CuTeDSL source from the IR: one module with four element-wise `@cute.jit` functions (five for a band mask).
+"""Readable CuTeDSL source from the IR: one module with four element-wise `@cute.jit` functions (six for a band mask).
 
 The source is meant to be read (the notebook viewer shows it) and to be inlined by our kernels: one statement per
 line, temporaries named after their op, a comment before each group of statements quoting the user's line, and no
@@ -10,7 +10,7 @@ from __future__ import annotations
 import builtins
 import keyword
 
-from .band import key_band
+from .band import key_band, query_band
 from .derivative import Derivative
 from .ir import BOOL, FLOAT, INT, Graph, float_literal
 
@@ -31,6 +31,7 @@ SIGNATURES = {
     "score_mod": "score, b, h, q_idx, kv_idx, aux_tensors, aux_scalars",
     "mask_mod": "b, h, q_idx, kv_idx, aux_tensors, aux_scalars",
     "mask_band": "b, h, q_idx, aux_tensors, aux_scalars",
+    "mask_band_by_key": "b, h, kv_idx, aux_tensors, aux_scalars",
     "score_mod_bwd": "grad, score, b, h, q_idx, kv_idx, aux_tensors, aux_scalars",
     "score_mod_aux_grad": "grad, score, b, h, q_idx, kv_idx, aux_tensors, aux_scalars, aux_grads",
 }
@@ -38,6 +39,7 @@ _DOCS = {
     "score_mod": "The user's score_mod on one element: the already-scaled score -> Float32.",
     "mask_mod": "The user's mask_mod on one element: True keeps the position.",
     "mask_band": "The keys mask_mod keeps for query q_idx, lo <= kv_idx < hi, as (lo, hi).",
+    "mask_band_by_key": "The queries mask_mod keeps key kv_idx for, lo <= q_idx < hi, as (lo, hi).",
     "score_mod_bwd": "grad * d(score_mod)/d(score) on one element, recomputing the forward temporaries it needs.",
     "score_mod_aux_grad": ("Adds grad * d(score_mod)/d(captured[idx]) into aux_grads (the kernel "
                            "sums runs of adds to one entry per thread, then fp32 atomics, or exact int64 "
@@ -331,15 +333,18 @@ _ONE_SELECT_NOTE = """# mask_mod is a small conjunction: kernels apply it with o
 # (flexlab.kernels.mask.apply_mask_mod).
 mask_mod.one_select = True"""
 
-_BAND_NOTE = """# mask_mod keeps a band of keys per query (flexlab.codegen.band): kernels that read mask_band turn each row's
-# key range into a word of bits instead of evaluating mask_mod per score (flexlab.kernels.mask.apply_band_mask).
+_BAND_NOTE = """# mask_mod keeps a band of keys per query (flexlab.codegen.band): kernels that read mask_band turn
+# each row's key range into a word of bits instead of evaluating mask_mod per score
+# (flexlab.kernels.mask.apply_band_mask).
 mask_mod.band = mask_band"""
+_BAND_BY_KEY_NOTE = """# ... and the backward, whose score rows are keys, reads the same band by key.
+mask_mod.band_by_key = mask_band_by_key"""
 
 
 def emit_module(graph: Graph, score_root: int | None, mask_root: int | None, deriv: Derivative | None,
                 header: str, fastmath: bool = False) -> str:
     forward_nodes = set(graph.needed([score_root, mask_root]))
-    band = key_band(graph, mask_root)
+    band, by_key = key_band(graph, mask_root), query_band(graph, mask_root)
     slots = {}
     for k, t in enumerate(graph.aux_tensors):
         if t.requires_grad:
@@ -364,6 +369,8 @@ def emit_module(graph: Graph, score_root: int | None, mask_root: int | None, der
         *(["", "", _ONE_SELECT_NOTE] if one_select(graph, mask_root) else []),
         *(["", "", emit_function(graph, "mask_band", (band.lo, band.hi), "", forward_nodes), "", "", _BAND_NOTE]
           if band is not None else []),
+        *(["", "", emit_function(graph, "mask_band_by_key", (by_key.lo, by_key.hi), "", forward_nodes), "", "",
+           _BAND_BY_KEY_NOTE] if by_key is not None else []),
         "",
         "",
         emit_function(graph, "score_mod_bwd", deriv.d_score if deriv else None,

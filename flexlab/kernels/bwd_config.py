@@ -190,6 +190,12 @@ class BwdConfig:
     # lets the next one in once it has passed its own wait, so a kernel never starts before the ones two back have
     # ended. Off for the sweep's candidate without it.
     chained_launch: bool = True
+    # Partial query tiles of a band mask (causal, sliding windows: `flexlab.codegen.band`) are masked per key row from
+    # the generated `mask_band_by_key`: one word of bits per row, each score kept by its bit, instead of evaluating
+    # mask_mod per score (`FwdConfig.band_mask` in the forward). CPU compile, SASS instructions per step loop with
+    # mask_mod / with this, sliding window of 1024: D=64 partial-tile loop 942 / 791, D=128 (one loop) 622 / 563;
+    # causal D=64 814 / 783. Off, not yet run on a GPU.
+    band_mask: bool = False
 
     @property
     def persistent(self) -> bool:

@@ -155,16 +155,20 @@ def _elements_before(limit: Int32) -> Int32:
 
 @cute.jit
 def apply_band_mask(acc_s: cute.Tensor, coords: cute.Tensor, band: cutlass.Constexpr, batch: Int32, head: Int32,
-                    q_start: Int32, kv_start: Int32, aux_tensors, aux_scalars):
-    """-inf outside each row's key range `band(b, h, q_idx, ...)` = (lo, hi); the same result as mask_mod."""
+                    q_start: Int32, kv_start: Int32, aux_tensors, aux_scalars, by_key: cutlass.Constexpr[bool] = False):
+    """-inf outside each row's range `band(b, h, row index, ...)` = (lo, hi); the same result as mask_mod. Rows are
+    queries and the range is of keys (`mask_band`), or with `by_key` (the backward's S^T, `coords` still (q, kv))
+    rows are keys and the range is of queries (`mask_band_by_key`)."""
     n = cute.size(acc_s)
     if cutlass.const_expr(n % (2 * FRAGMENT_ROWS) != 0 or n // FRAGMENT_ROWS > BAND_MAX_ROW_ELEMENTS):
         raise ValueError(f"a band mask covers up to {BAND_MAX_ROW_ELEMENTS} scores per row of an m64nN accumulator "
                          f"fragment, got {n} scores over {FRAGMENT_ROWS} rows")
-    first_col = kv_start + coords[0][1]
+    row_axis, col_axis = (1, 0) if by_key else (0, 1)
+    row_start, col_start = (kv_start, q_start) if by_key else (q_start, kv_start)
+    first_col = col_start + coords[0][col_axis]
     words = []
     for h in cutlass.range_constexpr(FRAGMENT_ROWS):
-        lo, hi = band(batch, head, q_start + coords[2 * h][0], aux_tensors, aux_scalars)
+        lo, hi = band(batch, head, row_start + coords[2 * h][row_axis], aux_tensors, aux_scalars)
         from_lo = _ones_from(_elements_before(lo - first_col))  # elements at or past lo
         from_hi = _ones_from(_elements_before(hi - first_col))  # elements at or past hi
         words.append(from_lo & ~from_hi)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from flexlab.codegen import generate
-from flexlab.codegen.band import key_band
+from flexlab.codegen.band import key_band, query_band
 from flexlab.codegen.lower_torch import evaluate
 from flexlab.gallery import load_gallery
 
@@ -18,9 +18,16 @@ def _band_matches_mask(gen, q_len=300, kv_len=340, scalars=None):
     kv = torch.arange(kv_len).view(1, -1)
     env = gen._env(dict(b=0, h=0, q_idx=q, kv_idx=kv), torch.float32, torch.device("cpu"), scalars)
     lo, hi = evaluate(gen._graph, [band.lo, band.hi], env)
-    kept = (kv >= lo) & (kv < hi)
-    expected = gen.evaluate_mask_mod(0, 0, q, kv, scalars=scalars)
-    assert torch.equal(kept, torch.broadcast_to(expected, kept.shape))
+    shape = (q_len, kv_len)
+    kept = torch.broadcast_to((kv >= lo) & (kv < hi), shape)
+    expected = torch.broadcast_to(gen.evaluate_mask_mod(0, 0, q, kv, scalars=scalars), shape)
+    assert torch.equal(kept, expected)
+    by_key = query_band(gen._graph, gen._traced.mask_root)
+    assert (by_key is not None) == ("def mask_band_by_key(" in gen.source)
+    if by_key is not None:  # the same band read by key: the queries each key is kept for
+        q_lo, q_hi = evaluate(gen._graph, [by_key.lo, by_key.hi], env)
+        assert torch.equal(torch.broadcast_to((q >= q_lo) & (q < q_hi), shape), expected)
+    return by_key is not None
 
 
 def causal(b, h, q_idx, kv_idx):
@@ -44,11 +51,17 @@ def lower_only(b, h, q_idx, kv_idx):
     return kv_idx - q_idx >= -WINDOW
 
 
-@pytest.mark.parametrize("mask_mod", [causal, sliding, offsets, upper_only, lower_only])
-def test_band_bounds_equal_the_mask(mask_mod):
+def mirrored(b, h, q_idx, kv_idx):
+    # bounds with -q_idx: read by key, they bound the query the other way round
+    return (kv_idx + q_idx >= 50) & (kv_idx < 400 - q_idx) & (kv_idx >= 3)
+
+
+@pytest.mark.parametrize("mask_mod,by_key", [(causal, True), (sliding, True), (offsets, False), (upper_only, True),
+                                             (lower_only, True), (mirrored, True)])
+def test_band_bounds_equal_the_mask(mask_mod, by_key):
     gen = generate(None, mask_mod)
     assert "def mask_band(" in gen.source and "mask_mod.band = mask_band" in gen.source
-    _band_matches_mask(gen)
+    assert _band_matches_mask(gen) == by_key  # (2 * q_idx in `offsets` has no per-key form)
 
 
 def test_band_bounds_follow_a_captured_scalar_at_runtime():

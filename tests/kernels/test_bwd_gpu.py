@@ -184,6 +184,20 @@ def _documents(b, h, q_idx, kv_idx):  # documents of 300 tokens: partial blocks 
     return (q_idx // 300 == kv_idx // 300) & (q_idx >= kv_idx)
 
 
+def _window(b, h, q_idx, kv_idx):  # a causal window of 200 keys: partial tiles at both of its edges
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 200)
+
+
+@needs_hopper
+@pytest.mark.parametrize("D,mask_mod,deterministic", [(128, _causal, False), (64, _causal, False),
+                                                      (128, _window, False), (64, _window, False),
+                                                      (128, _window, True), (256, _window, False)])
+def test_band_mask_matches_mask_mod(D, mask_mod, deterministic, monkeypatch):
+    """`BwdConfig.band_mask` (partial query tiles of a band mask masked per key row from `mask_band_by_key`) against
+    evaluating mask_mod per score."""
+    _option_against_default("band_mask", D, mask_mod, deterministic, monkeypatch)
+
+
 @needs_hopper
 @pytest.mark.parametrize("D,sparse,deterministic", [(128, False, False), (128, True, False), (64, True, False),
                                                     (128, True, True)])
