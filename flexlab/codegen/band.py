@@ -23,8 +23,8 @@ _FLIP = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le"}
 
 
 @dataclass(frozen=True)
-class KeyBand:
-    """Node ids of the band's bounds in the graph: keys lo <= kv_idx < hi are kept."""
+class Band:
+    """Node ids of a band's bounds in the graph: lo <= index < hi is kept (keys per query, or queries per key)."""
     lo: int
     hi: int
 
@@ -135,7 +135,7 @@ def _bounds(g: Graph, mask_root: int | None) -> list[tuple[str, _Affine]] | None
     return None if not bounds or any(b is None for b in bounds) else bounds
 
 
-def _range(g: Graph, lows: list[int], highs: list[int]) -> KeyBand:
+def _range(g: Graph, lows: list[int], highs: list[int]) -> Band:
     lo = hi = None
     for node in lows:
         lo = node if lo is None else g.add("maximum", (lo, node), INT)
@@ -143,10 +143,10 @@ def _range(g: Graph, lows: list[int], highs: list[int]) -> KeyBand:
         hi = node if hi is None else g.add("minimum", (hi, node), INT)
     lo = g.const(NO_LOWER_BOUND, INT) if lo is None else lo
     hi = g.const(NO_UPPER_BOUND, INT) if hi is None else hi
-    return KeyBand(lo, hi)
+    return Band(lo, hi)
 
 
-def key_band(g: Graph, mask_root: int | None) -> KeyBand | None:
+def key_band(g: Graph, mask_root: int | None) -> Band | None:
     """The band form of the mask rooted at `mask_root`, its bounds added to `g` (scope "mask_band"), or None."""
     bounds = _bounds(g, mask_root)
     if bounds is None:
@@ -160,7 +160,7 @@ def key_band(g: Graph, mask_root: int | None) -> KeyBand | None:
         g.scope = scope
 
 
-def query_band(g: Graph, mask_root: int | None) -> KeyBand | None:
+def query_band(g: Graph, mask_root: int | None) -> Band | None:
     """The same band read the other way, for kernels whose accumulator rows are keys (the backward's S^T): the
     queries q_lo <= q_idx < q_hi that key kv_idx is kept for, as nodes in `g` (scope "mask_band_by_key"); None
     where a bound's q_idx coefficient is not 0, 1 or -1. A bound free of q_idx (kv_idx < 100) keeps a key for every
@@ -186,7 +186,7 @@ def query_band(g: Graph, mask_root: int | None) -> KeyBand | None:
                 lows.append(_add_affine(g, limit))
         band = _range(g, lows, highs)
         if key_ok is not None:  # a key no query keeps: an empty range
-            band = KeyBand(band.lo, g.add("where", (key_ok, band.hi, g.const(NO_LOWER_BOUND, INT)), INT))
+            band = Band(band.lo, g.add("where", (key_ok, band.hi, g.const(NO_LOWER_BOUND, INT)), INT))
         return band
     finally:
         g.scope = scope

@@ -22,8 +22,8 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .fwd_sm90 import wgmma
 from .layout import as_operand_a, convert_to_16bit, row_major_order, rows_view
-from .mask import (BAND_MAX_ROW_ELEMENTS, FRAGMENT_ROWS, apply_band_mask, apply_fragment_bits, apply_mask_bits,
-                   apply_mask_mod, element_indices, load_fragment_bits, mask_kv_tail, mask_mod_bits)
+from .mask import (FRAGMENT_ROWS, apply_band_mask, apply_fragment_bits, apply_mask_bits, apply_mask_mod, band_for,
+                   element_indices, load_fragment_bits, mask_kv_tail, mask_mod_bits)
 from .named_barrier import BwdBarrier
 from .score_mod import apply_score_mod
 from .stage_waits import arrive_after, wait_full
@@ -105,14 +105,15 @@ class BwdStep:
             apply_score_mod(acc_S, coords, self.score_mod, softmax_scale, batch, head, q_start, kv_start, q_last,
                             kv_last, self.clamp_indices, aux_tensors, aux_scalars)
         if cutlass.const_expr(self.mask_mod is not None):
+            band = band_for(self.mask_mod, acc_S, self.cfg.band_mask, by_key=True)
             if partial:
                 if cutlass.const_expr(words is not None):
                     apply_fragment_bits(acc_S, words)
                 elif cutlass.const_expr(early_mask):
                     apply_mask_bits(acc_S, keep_bits)
-                elif cutlass.const_expr(self.band_by_key(acc_S) is not None):
-                    apply_band_mask(acc_S, coords, self.band_by_key(acc_S), batch, head, q_start, kv_start,
-                                    aux_tensors, aux_scalars, by_key=True)
+                elif cutlass.const_expr(band is not None):
+                    apply_band_mask(acc_S, coords, band, batch, head, q_start, kv_start, aux_tensors, aux_scalars,
+                                    by_key=True)
                 else:
                     apply_mask_mod(acc_S, coords, self.mask_mod, batch, head, q_start, kv_start, q_last, kv_last,
                                    self.clamp_indices, aux_tensors, aux_scalars)
@@ -200,14 +201,6 @@ class BwdStep:
             wgmma(tiled_mma_dq, acc_dQ, *self.dq_operands(ops, ds_stage), True, 0)
             pipe_qdo.consumer_release(state)
             self.reduce_dq(acc_dQ, ops.dq_store_view(), tdQs, tdQg, tma_dq, m_block, order, batch, head, wg)
-
-    def band_by_key(self, acc_S):
-        """The generated `mask_band_by_key` where `BwdConfig.band_mask` masks partial tiles per key row with it (a
-        band mask whose rows fit one word of bits), else None (a trace-time helper)."""
-        band = getattr(self.mask_mod, "band_by_key", None)
-        if not self.cfg.band_mask or band is None or cute.size(acc_S) > FRAGMENT_ROWS * BAND_MAX_ROW_ELEMENTS:
-            return None
-        return band
 
     def dq_operands(self, ops: StepOperands, ds_stage: Int32) -> tuple:
         """(A, B) of the dQ GEMM: dS and K^T, or K^T and dS for the transposed dQ^T = K^T dS^T (`dq_swap_ab`)."""

@@ -49,8 +49,8 @@ from cutlass.tensor_utils import LayoutEnum
 from .block_sparse import KvSchedule
 from .config import TILE_SLOT_WORDS, TILE_SLOTS, FwdConfig
 from .layout import as_operand_a, bshd_view, convert_to_16bit, rows_view, tma_tiles, transpose_smem
-from .mask import (BAND_MAX_ROW_ELEMENTS, FRAGMENT_ROWS, apply_band_mask, apply_fragment_bits, apply_mask_bits,
-                   apply_mask_mod, load_fragment_bits, mask_kv_tail, mask_mod_bits)
+from .mask import (FRAGMENT_ROWS, apply_band_mask, apply_fragment_bits, apply_mask_bits, apply_mask_mod, band_for,
+                   load_fragment_bits, mask_kv_tail, mask_mod_bits)
 from .named_barrier import FwdBarrier
 from .score_mod import apply_score_mod
 from .softmax import OnlineSoftmax, rescale_rows
@@ -664,9 +664,8 @@ class FlexFwdSm90:
         if cutlass.const_expr(use_mask_mod and words is not None):
             apply_fragment_bits(acc_S, words)
         elif cutlass.const_expr(use_mask_mod and self.mask_mod is not None and not self.ablated("mask_mod")):
-            band = getattr(self.mask_mod, "band", None)  # (a row's bits fit one word up to 128 keys per tile)
-            if cutlass.const_expr(self.cfg.band_mask and band is not None
-                                  and cute.size(acc_S) <= FRAGMENT_ROWS * BAND_MAX_ROW_ELEMENTS):
+            band = band_for(self.mask_mod, acc_S, self.cfg.band_mask)
+            if cutlass.const_expr(band is not None):
                 apply_band_mask(acc_S, coords, band, batch, head, q_start, kv_start, aux_tensors, aux_scalars)
             else:
                 apply_mask_mod(acc_S, coords, self.mask_mod, batch, head, q_start, kv_start, q_last, kv_last,

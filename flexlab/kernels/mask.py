@@ -138,6 +138,18 @@ def keep_bit_or_neg_inf(word: Uint32, bit: cutlass.Constexpr[int], score: Float3
 BAND_MAX_ROW_ELEMENTS = 32  # one 32-bit word per row: tiles up to 128 keys wide
 
 
+def _band_fits(num_scores: int) -> bool:
+    return num_scores % (2 * FRAGMENT_ROWS) == 0 and num_scores // FRAGMENT_ROWS <= BAND_MAX_ROW_ELEMENTS
+
+
+def band_for(mask_mod, acc_s: cute.Tensor, enabled: bool, by_key: bool = False):
+    """The generated band of `mask_mod` (`mask_band`, or `mask_band_by_key` for the backward's key rows) where a
+    kernel option `enabled` band masking and this accumulator's rows fit one word each, else None: the caller then
+    evaluates mask_mod per score. A trace-time helper shared by the forward and backward steps."""
+    band = getattr(mask_mod, "band_by_key" if by_key else "band", None)
+    return band if enabled and band is not None and _band_fits(cute.size(acc_s)) else None
+
+
 @dsl_user_op
 def _ones_from(count: Int32, *, loc=None, ip=None) -> Uint32:
     """0xFFFFFFFF << count as PTX computes it: 0 for count >= 32 (a count is never negative here)."""
@@ -160,7 +172,7 @@ def apply_band_mask(acc_s: cute.Tensor, coords: cute.Tensor, band: cutlass.Const
     queries and the range is of keys (`mask_band`), or with `by_key` (the backward's S^T, `coords` still (q, kv))
     rows are keys and the range is of queries (`mask_band_by_key`)."""
     n = cute.size(acc_s)
-    if cutlass.const_expr(n % (2 * FRAGMENT_ROWS) != 0 or n // FRAGMENT_ROWS > BAND_MAX_ROW_ELEMENTS):
+    if cutlass.const_expr(not _band_fits(n)):
         raise ValueError(f"a band mask covers up to {BAND_MAX_ROW_ELEMENTS} scores per row of an m64nN accumulator "
                          f"fragment, got {n} scores over {FRAGMENT_ROWS} rows")
     row_axis, col_axis = (1, 0) if by_key else (0, 1)
