@@ -24,9 +24,11 @@ _FLIP = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le"}
 
 @dataclass(frozen=True)
 class Band:
-    """Node ids of a band's bounds in the graph: lo <= index < hi is kept (keys per query, or queries per key)."""
+    """Node ids of a band's bounds in the graph: lo <= index < hi is kept (keys per query, or queries per key).
+    `window`: bounded on both sides (a sliding window), not on one alone (causal)."""
     lo: int
     hi: int
+    window: bool = False
 
 
 @dataclass(frozen=True)
@@ -141,9 +143,10 @@ def _range(g: Graph, lows: list[int], highs: list[int]) -> Band:
         lo = node if lo is None else g.add("maximum", (lo, node), INT)
     for node in highs:
         hi = node if hi is None else g.add("minimum", (hi, node), INT)
+    window = lo is not None and hi is not None
     lo = g.const(NO_LOWER_BOUND, INT) if lo is None else lo
     hi = g.const(NO_UPPER_BOUND, INT) if hi is None else hi
-    return Band(lo, hi)
+    return Band(lo, hi, window)
 
 
 def key_band(g: Graph, mask_root: int | None) -> Band | None:
@@ -186,7 +189,7 @@ def query_band(g: Graph, mask_root: int | None) -> Band | None:
                 lows.append(_add_affine(g, limit))
         band = _range(g, lows, highs)
         if key_ok is not None:  # a key no query keeps: an empty range
-            band = Band(band.lo, g.add("where", (key_ok, band.hi, g.const(NO_LOWER_BOUND, INT)), INT))
+            band = Band(band.lo, g.add("where", (key_ok, band.hi, g.const(NO_LOWER_BOUND, INT)), INT), band.window)
         return band
     finally:
         g.scope = scope

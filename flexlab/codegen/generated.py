@@ -23,7 +23,7 @@ from .ir import BOOL, FLOAT, INT, KIND_NAMES
 from .lower_cute import emit_module
 from .lower_torch import Env, clamp_index, evaluate
 
-GENERATOR_VERSION = "3"
+GENERATOR_VERSION = "4"
 
 _MODULES: dict[str, types.ModuleType] = {}
 

@@ -336,7 +336,8 @@ mask_mod.one_select = True"""
 _BAND_NOTE = """# mask_mod keeps a band of keys per query (flexlab.codegen.band): kernels that read mask_band turn
 # each row's key range into a word of bits instead of evaluating mask_mod per score
 # (flexlab.kernels.mask.apply_band_mask).
-mask_mod.band = mask_band"""
+mask_mod.band = mask_band
+mask_mod.band_is_window = {window}  # bounded on both sides (a sliding window), not above alone (causal)"""
 _BAND_BY_KEY_NOTE = """# ... and the backward, whose score rows are keys, reads the same band by key.
 mask_mod.band_by_key = mask_band_by_key"""
 
@@ -367,7 +368,8 @@ def emit_module(graph: Graph, score_root: int | None, mask_root: int | None, der
         "",
         emit_function(graph, "mask_mod", mask_root, "Boolean(True)", forward_nodes, fastmath=fastmath),
         *(["", "", _ONE_SELECT_NOTE] if one_select(graph, mask_root) else []),
-        *(["", "", emit_function(graph, "mask_band", (band.lo, band.hi), "", forward_nodes), "", "", _BAND_NOTE]
+        *(["", "", emit_function(graph, "mask_band", (band.lo, band.hi), "", forward_nodes), "", "",
+           _BAND_NOTE.format(window=band.window)]
           if band is not None else []),
         *(["", "", emit_function(graph, "mask_band_by_key", (by_key.lo, by_key.hi), "", forward_nodes), "", "",
            _BAND_BY_KEY_NOTE] if by_key is not None else []),

@@ -194,7 +194,9 @@ class BwdConfig:
     # the generated `mask_band_by_key`: one word of bits per row, each score kept by its bit, instead of evaluating
     # mask_mod per score (`FwdConfig.band_mask` in the forward). CPU compile, SASS instructions per step loop with
     # mask_mod / with this, sliding window of 1024: D=64 partial-tile loop 942 / 791, D=128 (one loop) 622 / 563;
-    # causal D=64 814 / 783. Off, not yet run on a GPU.
+    # causal D=64 814 / 783. Off: fewer instructions but slower on the H200, backward timed in turns, the median of
+    # each round's ratio (bwd_band_mask_probe_h200_2026-12-03.json.gz): sliding window D=128 0.98x at B1·S16k and
+    # 0.99x at B4·S4k, D=64 0.98x; causal D=64 0.96x, D=128 1.00x. Gradients equal dK/dV bitwise.
     band_mask: bool = False
 
     @property

@@ -109,6 +109,12 @@ ANCHORED_RELEASE = True
 # causal at B4·S4k; D=128 1.02x dense and causal at B4·S4k, 1.01x at B1·S16k (dense, causal, sliding window);
 # D=64 causal B1·S16k 0.99x, where the rescale is 32 multiplies per thread and step.
 LAZY_RESCALE_MIN_HEAD_DIM = 128
+# Head dims up to which the forward masks the partial blocks of a sliding-window band per row (`FwdConfig.band_mask`;
+# 0: never). H200, forward timed in turns, the median of each round's ratio
+# (benchmarks/results/fwd_band_mask_probe_h200_2026-12-03.json.gz): sliding window D=64 B1·S16k 1.029x, D=128 1.009x
+# at B1·S16k and 1.008x at B4·S4k, D=256 0.997x. Causal bands, bounded above only, lose with it (D=128 0.99x at B4·S4k
+# and B1·S16k, D=64 1.00x), as the mask_mod is one compare per score there, so they keep it.
+BAND_MASK_MAX_HEAD_DIM = 128
 
 
 @dataclass(frozen=True)
@@ -195,8 +201,8 @@ class FwdConfig:
     # `flexlab.codegen.band`) are masked per row: the row's key range becomes one word of bits and each score is kept
     # by its bit (`mask.apply_band_mask`), instead of evaluating mask_mod per score. CPU compile, SASS instructions
     # per partial-block step with mask_mod / with this: sliding window (persistent, as launched) D=64 720 / 572,
-    # D=128 767 / 619, D=256 609 / 553; causal D=64 595 / 568, D=128 638 / 607 (full-block steps unchanged).
-    # Off, not yet run on a GPU.
+    # D=128 767 / 619, D=256 609 / 553; causal D=64 595 / 568, D=128 638 / 607 (full-block steps unchanged). The
+    # default for sliding windows up to `BAND_MASK_MAX_HEAD_DIM` (`band_options`).
     band_mask: bool = False
     # Debug only, never set by the public API: stages removed for timing (names in ABLATIONS; results are wrong).
     ablate: tuple[str, ...] = ()
@@ -325,6 +331,13 @@ def default_config(head_dim: int, block_sparse: bool = False, has_score_mod: boo
     # D=256: 80-key tiles fill shared memory with two stages; dense 1.01-1.03x of 64 at B4·S4k and B1·S16k, equal at
     # B8·S1k (benchmarks/results/fwd_d256_tile_n{64,80}_h200_2026-12-01.json.gz). A block mask needs a divisor of 128.
     return FwdConfig(head_dim=256, tile_m=128, tile_n=64 if block_sparse else 80, num_stages=2, **opts)
+
+
+def band_options(head_dim: int, band_is_window: bool) -> dict:
+    """`FwdConfig` fields of per-row band masking (`BAND_MASK_MAX_HEAD_DIM`) for a mask_mod whose generated band is
+    a window (`mask_mod.band_is_window`), else none."""
+    bound = BAND_MASK_MAX_HEAD_DIM
+    return {"band_mask": True} if band_is_window and bound and head_dim <= bound else {}
 
 
 def lazy_options(head_dim: int) -> dict:

@@ -78,7 +78,7 @@ def config_for(head_dim: int, sparse: bool, mods: KernelMods, seqlen_k: int | No
     per tile) and follows from `seqlen_k` without one. `mask_bits`: the mods store partial-block bits
     (`runtime.mask_bits`), which the kernel reads where its tiles allow (`with_mask_bits`)."""
     base = _config(head_dim, sparse, mods.score_mod is not None, d128_stages(seqlen_k) if head_dim == 128 else 0,
-                   bool(mods.aux_tensor_specs))
+                   bool(mods.aux_tensor_specs), bool(getattr(mods.mask_mod, "band_is_window", False)))
     if not sparse and seqlen_k is not None:
         mean_kv_blocks = dense_mean_kv_blocks(base, seqlen_k)
     cfg = scheduled(base, scheduling(base, mean_kv_blocks), num_sms) if num_sms else base
@@ -140,16 +140,18 @@ def _persistent_clusters(cfg: FwdConfig, num_sms: int) -> FwdConfig:
 @lru_cache(maxsize=None)
 def with_mask_bits(cfg: FwdConfig) -> FwdConfig:
     """`cfg` reading stored partial-block bits (`FwdConfig.mask_bits`) where its tiles allow, else `cfg` as it is."""
-    reading = dataclasses.replace(cfg, mask_bits=True)
+    reading = dataclasses.replace(cfg, mask_bits=True, band_mask=False)  # (stored bits replace the band)
     return reading if reading.feasibility_error() is None else cfg
 
 
 @lru_cache(maxsize=None)
-def _config(head_dim: int, sparse: bool, has_score_mod: bool, d128_stage_count: int, captured_tensors: bool = False):
+def _config(head_dim: int, sparse: bool, has_score_mod: bool, d128_stage_count: int, captured_tensors: bool = False,
+            band_is_window: bool = False):
     cfg = default_config(head_dim, sparse, has_score_mod, captured_tensors=captured_tensors)
     if head_dim == 128 and d128_stage_count != cfg.num_stages:
         cfg = dataclasses.replace(cfg, num_stages=d128_stage_count)
-    return cfg
+    band = _policy.band_options(head_dim, band_is_window)
+    return dataclasses.replace(cfg, **band) if band else cfg
 
 
 @lru_cache(maxsize=None)

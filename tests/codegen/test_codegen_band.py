@@ -56,11 +56,14 @@ def mirrored(b, h, q_idx, kv_idx):
     return (kv_idx + q_idx >= 50) & (kv_idx < 400 - q_idx) & (kv_idx >= 3)
 
 
-@pytest.mark.parametrize("mask_mod,by_key", [(causal, True), (sliding, True), (offsets, False), (upper_only, True),
-                                             (lower_only, True), (mirrored, True)])
-def test_band_bounds_equal_the_mask(mask_mod, by_key):
+@pytest.mark.parametrize("mask_mod,by_key,window", [(causal, True, False), (sliding, True, True), (offsets, False, True),
+                                                    (upper_only, True, False), (lower_only, True, False),
+                                                    (mirrored, True, True)])
+def test_band_bounds_equal_the_mask(mask_mod, by_key, window):
     gen = generate(None, mask_mod)
     assert "def mask_band(" in gen.source and "mask_mod.band = mask_band" in gen.source
+    # (launchers mask windows, bounded on both sides, per row: `kernels.config.BAND_MASK_MAX_HEAD_DIM`)
+    assert f"mask_mod.band_is_window = {window}" in gen.source and gen.module().mask_mod.band_is_window == window
     assert _band_matches_mask(gen) == by_key  # (2 * q_idx in `offsets` has no per-key form)
 
 

@@ -180,3 +180,23 @@ def test_kv_multicast_clusters_are_the_dense_default(fresh_policy):
     assert long.cluster_m == 2 and long.persistent_ctas == 0 and not long.split_tail
     persistent = launch._dynamic(default_config(64), 132)  # a persistent CTA has no partner: the cluster goes
     assert persistent.persistent_ctas == 132 and persistent.cluster_m == 1 and persistent.feasibility_error() is None
+
+
+def test_sliding_window_bands_are_masked_per_row_up_to_d128(fresh_policy):
+    # measured: sliding windows gain at D=64 and D=128, causal bands (bounded above only) and D=256 do not
+    from flexlab.backends import cute as backend
+    from flexlab.gallery import load_gallery
+    gallery = load_gallery()
+    kernel_mods = {name: backend.kernel_mods(None, gallery[name].build(B=1, H=2, Q_LEN=256, KV_LEN=256).mask_mod)
+                   for name in ("sliding_window", "causal", "document")}
+    for name, mods in kernel_mods.items():
+        window = name == "sliding_window"
+        assert bool(getattr(mods.mask_mod, "band_is_window", False)) == window, name
+        for D in (64, 128, 256):
+            cfg = launch.config_for(D, True, mods, 4096, num_sms=132, mean_kv_blocks=9.5)
+            assert cfg.band_mask == (window and D <= policy.BAND_MASK_MAX_HEAD_DIM), (name, D)
+            assert cfg.feasibility_error() is None
+            assert not launch.with_mask_bits(cfg).band_mask  # stored bits replace the band
+    fresh_policy.setattr(policy, "BAND_MASK_MAX_HEAD_DIM", 0)  # 0: never
+    launch._config.cache_clear()
+    assert not launch.config_for(128, True, kernel_mods["sliding_window"], 4096).band_mask
