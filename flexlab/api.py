@@ -1,7 +1,6 @@
 """`flexlab.flex_attention`: torch's FlexAttention signature, validated inputs, a choice of backends."""
 from __future__ import annotations
 
-import math
 import numbers
 
 import torch
@@ -12,6 +11,7 @@ from ._bounded import put_bounded
 from .backends import cute  # torch only: cutlass loads when a kernel is first built
 from .errors import BackendUnavailableError, FlexlabTypeError, FlexlabValueError
 from .mods import check_mask_mod, check_score_mod
+from .runtime.launch import kernel_takes_scale
 
 BACKENDS = ("auto", "reference", "torch", "cute")
 _FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
@@ -79,17 +79,12 @@ _WARM_TRAIN: dict = {}  # call signature -> autograd.WarmTraining
 _WARM_ENTRIES = 256
 
 
-def _kernel_scale(scale) -> bool:
-    """Whether flexlab's kernels can take this scale: None (1/sqrt(D)) or finite and > 0."""
-    return scale is None or (isinstance(scale, numbers.Real) and 0 < scale < math.inf)
-
-
 def _signature(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, backend):
     """Everything `_validate` and the backend choice read from a call, except gradient state and what the mods
     capture (`WarmForward` re-checks those); None for inputs that are not plain tensors. The mods and the block mask
     enter by identity: a warm entry holds them, so their ids cannot be reused while it lives."""
     tensor = torch.Tensor
-    if type(query) is not tensor or type(key) is not tensor or type(value) is not tensor or not _kernel_scale(scale):
+    if type(query) is not tensor or type(key) is not tensor or type(value) is not tensor or not kernel_takes_scale(scale):
         return None  # (a scale the kernels cannot take always goes through the backend choice)
     return (query.shape, key.shape, value.shape, query.stride(), key.stride(), value.stride(), query.dtype,
             key.dtype, value.dtype, query.device, key.device, value.device, id(score_mod), id(block_mask),
@@ -144,7 +139,7 @@ def _choose_backend(backend, query, key, value, score_mod, block_mask, determini
         return ("reference" if _needs_grad(query, key, value, score_mod) else "torch"), False
     if backend not in ("auto", "cute"):
         return backend, False
-    if not _kernel_scale(scale):
+    if not kernel_takes_scale(scale):
         # the kernels' online softmax keeps each row's largest raw score, which a negative scale makes the smallest
         # scaled one (exponentials could overflow); at scale 0 a row's first rescale factor is exp2(-inf * 0) = NaN
         reason, needs_grad = f"scale={scale} is not a finite positive number; flexlab's kernels need scale > 0", False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from functools import lru_cache
 
 import torch
@@ -343,6 +344,12 @@ def _launch_constants(q: torch.Tensor, k: torch.Tensor, block_mask) -> tuple[flo
     return D ** -0.5, qpk, heads_per_group(k.shape[2], D, 2, qpk, B * Hq, block_mask is not None)
 
 
+def kernel_takes_scale(scale) -> bool:
+    """Whether the kernels take this softmax scale: None (1/sqrt(D)) or a finite real > 0. A row's first rescale
+    factor is exp2(-inf * scale), NaN at 0, and a negative scale inverts the running max."""
+    return scale is None or (isinstance(scale, numbers.Real) and 0 < scale < math.inf)
+
+
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: KernelMods = _NO_MODS,
             aux_tensors: tuple = (), aux_scalars: tuple = (), block_mask=None, scale: float | None = None,
             config: FwdConfig | None = None, arch: str = "sm_90a", with_lse: bool = True, stored_masks=None):
@@ -352,8 +359,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: KernelMods 
     `stored_masks` (`runtime.mask_bits.StoredMasks` of the block mask's mask_mod): partial blocks then read stored
     bits instead of evaluating mask_mod."""
     B, Hq, Sq, D = q.shape
-    if scale is not None and not 0 < scale < math.inf:
-        # a row's first rescale factor is exp2(-inf * scale): NaN at 0; a negative scale inverts the running max
+    if not kernel_takes_scale(scale):
         raise FlexlabValueError(f"scale={scale}: the forward kernel needs a finite scale > 0")
     fn, key, sparse, order = _plan(q, k, mods, block_mask, config, arch, with_lse, stored_masks)
     q, k, v = tma_ready(q), tma_ready(k), tma_ready(v)
