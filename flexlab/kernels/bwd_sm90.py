@@ -568,19 +568,26 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
                          mLSE2, mDpsum, kv_start, seqlen_k, log2_scale, mods, wg)
             if cutlass.const_expr(self.cfg.kind_loops and sparse is not None and self.mask_mod is not None):
                 # the partial tiles (listed first), then the full ones: each loop's step compiled for its kind
-                for i in cutlass.range(sched.num_partial, unroll=1):
-                    self.step(sched.block_of_kind(i, True), True, i, state, ds_index, *step_args)
-                    state.advance()
-                    ds_index = 1 - ds_index
-                for i in cutlass.range(sched.num_partial, sched.total, unroll=1):
-                    self.step(sched.block_of_kind(i, False), False, i, state, ds_index, *step_args)
-                    state.advance()
-                    ds_index = 1 - ds_index
+                state, ds_index = self.step_loop(sched, 0, sched.num_partial, True, state, ds_index, step_args)
+                state, ds_index = self.step_loop(sched, sched.num_partial, sched.total, False, state, ds_index,
+                                                 step_args)
             else:
-                for i in cutlass.range(sched.total, unroll=1):
-                    self.step(sched.block(i), i < sched.num_partial, i, state, ds_index, *step_args)
-                    state.advance()
-                    ds_index = 1 - ds_index
+                state, ds_index = self.step_loop(sched, 0, sched.total, None, state, ds_index, step_args)
+        return state, ds_index
+
+    @cute.jit
+    def step_loop(self, sched, start: Int32, stop: Int32, partial: cutlass.Constexpr, state, ds_index: Int32,
+                  step_args: tuple):
+        """Steps `start` .. `stop` of a head's schedule, each on the next Q/dO stage and dS buffer. `partial`: the
+        kind of every block in the range (True / False, a step compiled for it), or None: the step branches on
+        each block's kind at run time."""
+        for i in cutlass.range(start, stop, unroll=1):
+            if cutlass.const_expr(partial is None):
+                self.step(sched.block(i), i < sched.num_partial, i, state, ds_index, *step_args)
+            else:
+                self.step(sched.block_of_kind(i, partial), partial, i, state, ds_index, *step_args)
+            state.advance()
+            ds_index = 1 - ds_index
         return state, ds_index
 
     @cute.jit
