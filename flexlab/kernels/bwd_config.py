@@ -102,7 +102,8 @@ MIN_TAIL_PART_STEPS = 4
 # under a block mask with a mask_mod). Timed in turns at B1·S16k (bwd_kind_loops_d64_probe_h200_2026-12-03.json.gz):
 # backward 1.069x causal, 1.051x sliding window, 1.029x documents from stored bits. D=128 keeps the one branching
 # loop: 0.988x and 1.002x backward on causal B4·S4k and B1·S16k in a run that charged the two-loop form host time
-# (bwd_kind_loops_probe_h200_2026-12-03c.json.gz).
+# (bwd_kind_loops_probe_h200_2026-12-03c.json.gz), and with the fixed probe 0.987x and 1.001x causal, 0.986x and
+# 1.003x documents at B4·S4k and B1·S16k (bwd_kind_loops_d128_probe_h200_2026-12-03b.json.gz).
 D64_KIND_LOOPS = True
 # Block-sparse backward kernels run their KV tiles longest-first within L2-sized head groups (`lpt_order`).
 LPT_ORDER = True
@@ -150,8 +151,8 @@ class BwdConfig:
     dq_red: bool = False
     # The slab's reduce-add is a plain bulk copy (cp.reduce.async.bulk ... .add.f32 over its contiguous bytes) instead
     # of a TMA tensor reduce: the slab is one contiguous run of `dQaccum` either way, so no tensor map is needed to
-    # address it (FA4's sm90 backward adds its dQ partials this way). Off, unmeasured: the one probe run of it
-    # (bwd_dq_bulk_reduce_h200_2026-12-03.json.gz) timed the default against itself.
+    # address it (FA4's sm90 backward adds its dQ partials this way). Off: backward 0.994x causal and 0.996x dense at
+    # B4·S4k D=128, timed in turns (bwd_dq_bulk_reduce_probe_h200_2026-12-03b.json.gz).
     dq_bulk_reduce: bool = False
     # Block-sparse with a mask_mod: a KV tile's partial and full query tiles are walked by two loops, each with its
     # step compiled for that kind (as the forward does), instead of one loop whose step branches on the kind at run

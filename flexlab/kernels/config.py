@@ -131,7 +131,10 @@ class FwdConfig:
     tile_m: int = 128
     tile_n: int = 128
     num_stages: int = 2
-    pingpong: bool = True  # consumer warpgroups take turns on the tensor cores
+    # consumer warpgroups take turns on the tensor cores. Also at D=256, where turns of 80-key steps are short: off
+    # there timed 1.002x dense, 0.999x causal, 1.000x sliding window at B4·S4k, 0.994x causal at B1·S16k
+    # (fwd_d256_pingpong_probe_h200_2026-12-03b.json.gz).
+    pingpong: bool = True
     dtype_bytes: int = 2
     # Candidate optimizations, all off by default (the measured kernel):
     persistent_ctas: int = 0  # >0: launch min(tiles, this) CTAs that loop over tiles (set it to the SM count)
@@ -194,8 +197,9 @@ class FwdConfig:
     # Launched with programmatic dependent launch: the CTAs may start (shared memory, barriers, TMA descriptors) while
     # the kernel before on the stream drains its last wave, and wait (`griddepcontrol.wait`) before their first
     # global access. Persistent kernels, whose CTAs are all resident from the start, then let the next kernel (the
-    # backward's preprocess, itself chained: `BwdConfig.chained_launch`) launch at once. Off, unmeasured: the one
-    # probe run of it (fwd_chained_probe_h200_2026-12-03.json.gz) timed the default against itself.
+    # backward's preprocess, itself chained: `BwdConfig.chained_launch`) launch at once. Off: forward + backward at
+    # D=128, timed in turns (fwd_chained_launch_probe_h200_2026-12-03b.json.gz), 1.003x dense and 0.990x causal at
+    # B4·S4k, 1.000x dense at B1·S16k, where the forward alone was 0.972x.
     chained_launch: bool = False
     # Partial blocks of a mask the code generator recognises as a band of keys per query (causal, sliding windows:
     # `flexlab.codegen.band`) are masked per row: the row's key range becomes one word of bits and each score is kept
