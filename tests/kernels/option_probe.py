@@ -3,6 +3,9 @@ forward + backward per call with the field as the launcher sets it and flipped, 
 
     python tests/kernels/option_probe.py OUT.json --field chained_launch [--forward [--forward-only]]
         [--rounds 11] [--rows 0,1,5]
+    python tests/kernels/option_probe.py OUT.json --knob DYNAMIC_MAX_MEAN_KV_BLOCKS=1000 --forward --forward-only
+
+(--knob: a policy knob of `kernels.config` / `kernels.bwd_config` set to a value instead of a field flipped.)
 
 (--rounds 0 compiles and compares only: run one process per row that way first to compile in parallel.)
 
@@ -16,6 +19,7 @@ dQ, dK and dV are compared on the same inputs (rel-L2, NaN).
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import statistics
 from dataclasses import replace
@@ -27,7 +31,7 @@ ROWS = [("sliding_window", 1, 16384, 128), ("document", 1, 16384, 128), ("slidin
         ("sliding_window", 1, 16384, 64), ("document", 1, 16384, 64), ("causal", 1, 16384, 64),
         ("dense", 1, 16384, 128), ("dense", 4, 4096, 64), ("dense", 4, 4096, 256), ("causal", 4, 4096, 256),
         ("alibi_causal", 4, 4096, 128), ("softcap_causal", 4, 4096, 128), ("sliding_window", 4, 4096, 256),
-        ("causal", 1, 16384, 256)]
+        ("causal", 1, 16384, 256), ("alibi_causal", 1, 16384, 128), ("softcap_causal", 1, 16384, 128)]
 CALLS = 8
 
 
@@ -84,11 +88,52 @@ class Switch:
         setattr(self.module, self.hook, self.launcher)
 
 
+class KnobSwitch:
+    """The same two variants for a policy knob: `use("flipped")` sets `name` to `value` in `kernels.config` (forward)
+    or `kernels.bwd_config`, `use("launcher")` puts its own value back; each clears the memoised configurations and
+    plans. `configs()` lists the kernel configurations the launchers have planned since the last `use`, which tells
+    whether the knob changed what ran."""
+
+    def __init__(self, name: str, value, forward: bool):
+        from flexlab.kernels import bwd_config
+        from flexlab.kernels import config as fwd_config
+        self.module = fwd_config if forward else bwd_config
+        if not hasattr(self.module, name):
+            raise SystemExit(f"{self.module.__name__} has no knob {name}")
+        self.name, self.own, self.value = name, getattr(self.module, name), value
+        self.variants = {"launcher": self.own, "flipped": value}
+
+    def use(self, variant: str) -> None:
+        import flexlab.api as api
+        from flexlab.kernels import bwd_launch
+        from flexlab.runtime import launch as fwd_launch
+        setattr(self.module, self.name, self.variants[variant])
+        for memo in (fwd_launch._config, fwd_launch._dynamic, fwd_launch._persistent_clusters,
+                     fwd_launch._split_tail, fwd_launch.with_mask_bits, bwd_launch._config):
+            memo.cache_clear()
+        bwd_launch._PLANS.clear()
+        fwd_launch._PLANS.clear()
+        api._WARM.clear()
+        api._WARM_TRAIN.clear()
+
+    @staticmethod
+    def configs() -> list:
+        from flexlab.kernels import bwd_launch
+        from flexlab.runtime import launch as fwd_launch
+        fwd = [hit[1].config for plans in fwd_launch._PLANS.values() for hit in plans[1].values()]
+        return fwd + [plan.cfg for plan in bwd_launch._PLANS.values()]
+
+    def restore(self) -> None:
+        setattr(self.module, self.name, self.own)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--field", required=True, help="a boolean BwdConfig field (FwdConfig with --forward); several, "
+    ap.add_argument("--field", help="a boolean BwdConfig field (FwdConfig with --forward); several, "
                     "comma-separated, flip together")
+    ap.add_argument("--knob", help="NAME=VALUE: a policy knob of kernels.bwd_config (kernels.config with --forward) "
+                    "set to VALUE (a Python literal) instead of a field flipped")
     ap.add_argument("--forward", action="store_true", help="flip the field in the forward kernel's configuration")
     ap.add_argument("--forward-only", action="store_true", help="time the forward alone (a forward option)")
     ap.add_argument("--rounds", type=int, default=11)
@@ -98,8 +143,14 @@ def main() -> None:
     from flexlab.bench.cases import build_case
     from flexlab.testing import rel_l2
 
-    switch = Switch(args.field.split(","), args.forward)
-    launcher, names, use, asked = switch.launcher, list(switch.variants), switch.use, switch.asked
+    if (args.field is None) == (args.knob is None):
+        raise SystemExit("give one of --field and --knob")
+    if args.knob:
+        name, _, value = args.knob.partition("=")
+        switch = KnobSwitch(name, ast.literal_eval(value), args.forward)
+    else:
+        switch = Switch(args.field.split(","), args.forward)
+    names, use = list(switch.variants), switch.use
 
     results = {}
     try:
@@ -115,20 +166,27 @@ def main() -> None:
             def forward():
                 return flexlab.flex_attention(q, k, v, score_mod=case.score_mod, block_mask=bm, backend="cute")
 
-            grads = {}
+            grads, planned = {}, {}
             for name in names:
                 use(name)
                 grads[name] = torch.autograd.grad(forward(), (q, k, v), dout)
-            if not asked[0]:
+                planned[name] = switch.configs() if args.knob else None
+            if args.knob and planned["launcher"] == planned["flipped"]:
+                raise SystemExit(f"{row}: {args.knob} left the kernels' configurations as they were; nothing to "
+                                 "compare")
+            if not args.knob and not switch.asked[0]:
                 raise SystemExit(f"{row}: the launcher never took the flipped configuration; nothing to compare")
-            setting = None if args.forward else getattr(
-                launcher(D, False, False, None if bm is None else bm.BLOCK_SIZE[0]), switch.fields[0])
+            if args.knob:
+                setting = switch.own
+            else:
+                setting = None if args.forward else getattr(
+                    switch.launcher(D, False, False, None if bm is None else bm.BLOCK_SIZE[0]), switch.fields[0])
             errors = {n: rel_l2(a, b) for n, a, b in zip(("dq", "dk", "dv"), grads["launcher"], grads["flipped"])}
             nan = any(torch.isnan(t).any().item() for g in grads.values() for t in g)
             del grads
             if args.rounds == 0:  # (compile and compare only: warms the kernel cache for a timed run)
                 results[row] = {"launcher_setting": setting, "rel_l2_launcher_vs_flipped": errors, "nan": nan}
-                print(row, f"{args.field}={setting}", " ".join(f"{n} {e:.1e}" for n, e in errors.items()),
+                print(row, f"{args.field or switch.name}={setting}", " ".join(f"{n} {e:.1e}" for n, e in errors.items()),
                       "NaN" if nan else "", flush=True)
                 continue
             parts = ("fwd",) if args.forward_only else ("fwd+bwd", "bwd", "fwd")
@@ -154,7 +212,7 @@ def main() -> None:
             results[row] = {"launcher_setting": setting, "median_ms": median, "speedup_of_launcher": speedup,
                             "paired_speedup_of_launcher": paired,
                             "rel_l2_launcher_vs_flipped": errors, "nan": nan, "rounds_ms": times}
-            print(row, f"{args.field}={setting}", " ".join(f"{n}={m:.4f}" for n, m in median.items()),
+            print(row, f"{args.field or switch.name}={setting}", " ".join(f"{n}={m:.4f}" for n, m in median.items()),
                   " ".join(f"speedup {p} {x:.3f}" for p, x in speedup.items()),
                   " ".join(f"paired {p} {x:.3f}" for p, x in paired.items()),
                   " ".join(f"{n} {e:.1e}" for n, e in errors.items()), "NaN" if nan else "", flush=True)
@@ -162,7 +220,7 @@ def main() -> None:
     finally:
         switch.restore()
         with open(args.out, "w") as f:
-            json.dump({"field": args.field, "forward": args.forward, "calls_per_sample": CALLS, "rounds": args.rounds,
+            json.dump({"field": args.field, "knob": args.knob, "forward": args.forward, "calls_per_sample": CALLS, "rounds": args.rounds,
                        "rows": results}, f, indent=1)
 
 

@@ -31,3 +31,27 @@ def test_switch_flips_what_the_launcher_runs(forward, field):
     finally:
         switch.restore()
     assert getattr(module, hook) is own
+
+
+def test_knob_switch_sets_the_knob_and_drops_memoised_configurations():
+    from option_probe import KnobSwitch
+
+    from flexlab.kernels import config as policy
+    from flexlab.runtime import launch
+    from flexlab.runtime.compile import KernelMods
+    own = policy.DYNAMIC_MAX_MEAN_KV_BLOCKS
+    mods = KernelMods(mask_mod=lambda *a: None, source_hash="causal")
+    switch = KnobSwitch("DYNAMIC_MAX_MEAN_KV_BLOCKS", 1000, forward=True)
+    try:
+        switch.use("launcher")
+        assert not launch.config_for(128, True, mods, 16384, num_sms=132, mean_kv_blocks=64.5).dynamic_tiles
+        switch.use("flipped")  # long tiles now persistent with dynamic tiles, without a stale memo
+        assert policy.DYNAMIC_MAX_MEAN_KV_BLOCKS == 1000
+        assert launch.config_for(128, True, mods, 16384, num_sms=132, mean_kv_blocks=64.5).dynamic_tiles
+        assert switch.configs() == []  # (no launch planned yet)
+    finally:
+        switch.restore()
+        launch._config.cache_clear()
+    assert policy.DYNAMIC_MAX_MEAN_KV_BLOCKS == own
+    with pytest.raises(SystemExit, match="no knob"):
+        KnobSwitch("NO_SUCH_KNOB", 1, forward=True)
