@@ -69,6 +69,13 @@ D128_DENSE_CLUSTER_M = 2
 # and soft-cap B4 S4k 0.98-1.00x (16.5), documents B1 S16k 0.98x (17.3, within the baseline's own spread); causal
 # B1 S16k 0.98x (64.5), alibi B1 S16k 0.94x. Dense D=64 keeps its K/V multicast clusters instead. 0 turns it off.
 DYNAMIC_MAX_MEAN_KV_BLOCKS = 20
+# Head dims up to which block-sparse kernels without a score_mod run dynamic tiles at every tile length (0: only
+# where tiles are short, as above). Their persistent steps are now as long as one-CTA steps (CPU SASS, D=64 causal:
+# 424 / 592 full / partial against 428 / 595), so the overlapped prologue and epilogue win on long tiles too. H200,
+# forward timed in turns, the median of each round's ratio (dynamic_long_tiles_probe_h200_2026-12-03.json.gz), causal
+# B1·S16k: D=64 1.024x and 1.035x, D=128 1.026x and 1.033x in two runs; forward + backward 1.00x and 1.01x. Not at
+# D=256 (0.98x) nor with a score_mod (ALiBi 1.00x, soft-cap 0.99x at B1·S16k).
+DYNAMIC_ANY_LENGTH_MAX_HEAD_DIM = 128
 # Dense kernels with K/V multicast clusters whose tiles visit more than DYNAMIC_MAX_MEAN_KV_BLOCKS and at most this
 # many KV blocks run as static persistent clusters, one per SM pair, each walking pairs of Q tiles
 # (`FwdConfig.persistent_ctas` with `cluster_m`), so the next pair's first loads overlap this pair's epilogue.

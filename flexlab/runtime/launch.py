@@ -61,13 +61,23 @@ def dense_mean_kv_blocks(cfg: FwdConfig, seqlen_k: int) -> int:
     return -(-seqlen_k // cfg.tile_n)
 
 
-def runs_dynamic(cfg: FwdConfig, mean_kv_blocks: float | None) -> bool:
+def runs_dynamic(cfg: FwdConfig, mean_kv_blocks: float | None, any_length: bool = False) -> bool:
     """Whether the default forward runs persistent CTAs with dynamic tiles (`DYNAMIC_MAX_MEAN_KV_BLOCKS`): when a Q
-    tile visits few KV blocks on average, so each tile's prologue and epilogue weigh. Dense D=64 kernels keep their
-    K/V multicast clusters at every length; dense D=128 ones drop them for short keys (one persistent CTA per SM has
-    no partner), where dynamic tiles measured 1.10x at B8 S1k."""
+    tile visits few KV blocks on average, so each tile's prologue and epilogue weigh, or at every length for the
+    kernels `dynamic_at_any_length` picks (`any_length`). Dense D=64 kernels keep their K/V multicast clusters at every
+    length; dense D=128 ones drop them for short keys (one persistent CTA per SM has no partner), where dynamic tiles
+    measured 1.10x at B8 S1k."""
+    if any_length:
+        return True
     return ((cfg.cluster_m == 1 or cfg.head_dim > 64) and mean_kv_blocks is not None
             and mean_kv_blocks <= _policy.DYNAMIC_MAX_MEAN_KV_BLOCKS)
+
+
+def dynamic_at_any_length(head_dim: int, sparse: bool, has_score_mod: bool) -> bool:
+    """Whether a kernel runs dynamic tiles whatever its tiles' length (`DYNAMIC_ANY_LENGTH_MAX_HEAD_DIM`): block-sparse
+    without a score_mod."""
+    bound = _policy.DYNAMIC_ANY_LENGTH_MAX_HEAD_DIM
+    return sparse and not has_score_mod and bool(bound) and head_dim <= bound
 
 
 def config_for(head_dim: int, sparse: bool, mods: KernelMods, seqlen_k: int | None = None,
@@ -82,15 +92,16 @@ def config_for(head_dim: int, sparse: bool, mods: KernelMods, seqlen_k: int | No
                    bool(mods.aux_tensor_specs), bool(getattr(mods.mask_mod, "band_is_window", False)))
     if not sparse and seqlen_k is not None:
         mean_kv_blocks = dense_mean_kv_blocks(base, seqlen_k)
-    cfg = scheduled(base, scheduling(base, mean_kv_blocks), num_sms) if num_sms else base
+    any_length = dynamic_at_any_length(head_dim, sparse, mods.score_mod is not None)
+    cfg = scheduled(base, scheduling(base, mean_kv_blocks, any_length), num_sms) if num_sms else base
     return with_mask_bits(cfg) if mask_bits and sparse else cfg
 
 
-def scheduling(cfg: FwdConfig, mean_kv_blocks: float | None) -> str:
+def scheduling(cfg: FwdConfig, mean_kv_blocks: float | None, any_length: bool = False) -> str:
     """How the default forward schedules CTAs for tiles visiting `mean_kv_blocks` KV blocks on average: "dynamic"
-    (`runs_dynamic`), "clusters" (`runs_persistent_clusters`), "split" (`runs_split_tail`), or "" (one CTA, or
-    cluster, per tile)."""
-    if runs_dynamic(cfg, mean_kv_blocks):
+    (`runs_dynamic`; `any_length` from `dynamic_at_any_length`), "clusters" (`runs_persistent_clusters`), "split"
+    (`runs_split_tail`), or "" (one CTA, or cluster, per tile)."""
+    if runs_dynamic(cfg, mean_kv_blocks, any_length):
         return "dynamic"
     if runs_split_tail(cfg, mean_kv_blocks):
         return "split"
@@ -315,7 +326,7 @@ def _plan(q: torch.Tensor, k: torch.Tensor, mods: KernelMods, block_mask, config
     base, compiled = plans  # compiled: (scheduling, SM count of a persistent kernel or 0, reads bits, tile_m) -> ...
     kbm = kernel_block_mask(block_mask, q.shape[2], base.tile_m, base.tile_n, Skv) if sparse else None
     mean = kbm.mean_kv_blocks if sparse else dense_mean_kv_blocks(base, Skv)
-    how = scheduling(base, mean)
+    how = scheduling(base, mean, dynamic_at_any_length(D, sparse, mods.score_mod is not None))
     num_sms = _sm_count(q.device) if how else 0
     bits = _stored_bits(q, kbm, base, Skv, stored_masks)
     tiles = base

@@ -33,9 +33,11 @@ def test_launcher_defaults_are_the_measured_configs(fresh_policy, D, sparse, sco
             # dense: the mean follows from the key length when it is known; a block mask's is given (None: unknown)
             if not sparse and seqlen is not None:
                 mean = -(-seqlen // base.tile_n)
-            # (dense D=64 keeps its K/V multicast clusters at every length; D=128 gives them up for short keys)
-            short = (mean is not None and mean <= policy.DYNAMIC_MAX_MEAN_KV_BLOCKS
-                     and (base.cluster_m == 1 or D == 128))
+            # (dense D=64 keeps its K/V multicast clusters at every length; D=128 gives them up for short keys;
+            # block-sparse kernels without a score_mod run dynamic tiles at every length up to D=128)
+            short = ((mean is not None and mean <= policy.DYNAMIC_MAX_MEAN_KV_BLOCKS
+                      and (base.cluster_m == 1 or D == 128))
+                     or (sparse and not score_mod and D <= policy.DYNAMIC_ANY_LENGTH_MAX_HEAD_DIM))
             # dense multicast kernels with mid-length tiles: static persistent clusters walking pairs of Q tiles
             # ... and long ones the same with the last round cut by KV blocks (`FwdConfig.split_tail`)
             split = (not short and base.cluster_m == 2 and mean is not None
@@ -56,6 +58,7 @@ def test_launcher_defaults_are_the_measured_configs(fresh_policy, D, sparse, sco
             assert cfg.feasibility_error() is None and cfg.ablate == () and cfg.exp2_poly == 0
             assert not cfg.rescale_before_pv and not cfg.early_block_index
             assert launch.config_for(D, sparse, mods, seqlen, mean_kv_blocks=mean).persistent_ctas == 0  # no SM count
+    assert policy.DYNAMIC_ANY_LENGTH_MAX_HEAD_DIM == 128
     assert default_config(128).num_stages == 2 and default_config(64, block_sparse=True).tile_m == 192
     assert base.anchored_release == (D <= 128 and (sparse or score_mod)) == base.uniform_stage
 
@@ -74,8 +77,21 @@ def test_dynamic_knob_uses_the_sm_count(fresh_policy):
     cfg = launch.config_for(128, True, KernelMods(), 1024, num_sms=132, mean_kv_blocks=4.5)
     assert cfg.persistent_ctas == 132 and cfg.dynamic_tiles and cfg.separate_o
     assert cfg.smem_bytes() <= policy.SMEM_BYTES_SM90
-    fresh_policy.setattr(policy, "DYNAMIC_MAX_MEAN_KV_BLOCKS", 0)  # off
+    fresh_policy.setattr(policy, "DYNAMIC_MAX_MEAN_KV_BLOCKS", 0)  # off for short tiles ...
+    assert launch.config_for(128, True, KernelMods(), 1024, num_sms=132, mean_kv_blocks=4.5).dynamic_tiles
+    fresh_policy.setattr(policy, "DYNAMIC_ANY_LENGTH_MAX_HEAD_DIM", 0)  # ... and for block masks at every length
     assert launch.config_for(128, True, KernelMods(), 1024, num_sms=132, mean_kv_blocks=4.5).persistent_ctas == 0
+
+
+def test_block_masks_without_a_score_mod_run_dynamic_tiles_at_every_length(fresh_policy):
+    causal = KernelMods(mask_mod=lambda *a: None, source_hash="causal")
+    alibi = KernelMods(score_mod=lambda *a: None, mask_mod=lambda *a: None, source_hash="alibi")
+    for D, mods, want in ((64, causal, True), (128, causal, True), (256, causal, False), (128, alibi, False)):
+        cfg = launch.config_for(D, True, mods, 16384, num_sms=132, mean_kv_blocks=64.5)  # causal B1·S16k
+        assert cfg.dynamic_tiles == want and cfg.persistent_ctas == (132 if want else 0), (D, mods)
+        assert cfg.feasibility_error() is None
+    # (dense kernels keep their multicast clusters on long keys)
+    assert not launch.config_for(128, False, KernelMods(), 16384, num_sms=132).dynamic_tiles
     assert "persistent_ctas" in dataclasses.replace(default_config(128), dynamic_tiles=True).feasibility_error()
 
 
