@@ -60,14 +60,15 @@ D64_SPARSE_TILE_M = 192
 # (`runtime.launch.runs_dynamic`): one CTA per SM has no cluster partner.
 D64_DENSE_CLUSTER_M = 2
 D128_DENSE_CLUSTER_M = 2
-# Persistent CTAs with dynamic tiles (`FwdConfig.dynamic_tiles`, one CTA per SM) wherever a Q tile visits at most
-# this many KV blocks on average (dense: Skv / tile_n; under a block mask: its lists), so that per-tile prologue and
+# Persistent CTAs with dynamic tiles (`FwdConfig.dynamic_tiles`, one CTA per SM) wherever a Q tile visits at most this
+# many KV blocks on average (dense: Skv / tile_n; under a block mask: its lists), so that per-tile prologue and
 # epilogue (Q load, first K, O store) overlap the previous tile's work. Their steps are ~7% longer (481 against 449
 # SASS instructions per dense D=128 step, then), so long tiles stay one CTA per tile (but see the next knob). H200
-# kernel time against one CTA per tile (benchmarks/results/fwd_dynamic_tiles_h200_2026-11-30.json.gz): documents
-# B4 S4k 1.17x (4 blocks per tile), causal B8 S1k 1.09x, sliding window 1.05x at S4k and S16k (9), causal B4 S4k 1.03x (16.5) and D=64 1.06x; alibi
-# and soft-cap B4 S4k 0.98-1.00x (16.5), documents B1 S16k 0.98x (17.3, within the baseline's own spread); causal
-# B1 S16k 0.98x (64.5), alibi B1 S16k 0.94x. Dense D=64 keeps its K/V multicast clusters instead. 0 turns it off.
+# kernel time against one CTA per tile (benchmarks/results/fwd_dynamic_tiles_h200_2026-11-30.json.gz): documents B4
+# S4k 1.17x (4 blocks per tile), causal B8 S1k 1.09x, sliding window 1.05x at S4k and S16k (9), causal B4 S4k 1.03x
+# (16.5) and D=64 1.06x; alibi and soft-cap B4 S4k 0.98-1.00x (16.5), documents B1 S16k 0.98x (17.3, within the
+# baseline's own spread); causal B1 S16k 0.98x (64.5), alibi B1 S16k 0.94x. Dense D=64 keeps its K/V multicast
+# clusters instead. 0 turns it off.
 DYNAMIC_MAX_MEAN_KV_BLOCKS = 20
 # Head dims up to which block-sparse kernels without a score_mod run dynamic tiles at every tile length (0: only
 # where tiles are short, as above). Their persistent steps are now as long as one-CTA steps (CPU SASS, D=64 causal:
