@@ -329,8 +329,9 @@ def forward_kernel_report(score_mod=None, mask_mod=None, *, dtype: str = "bfloat
 def _forward_key(score_mod, mask_mod, dtype: str, head_dim: int, block_sparse: Optional[bool], arch: str):
     """(compile key, kernel mods, config) exactly as backend="cute" would build them for a launch with these mods
     (UnsupportedModError from the code generator names the user's line). TVM-FFI is off: we want PTX, not a .so.
-    No sequence length is known here: where tiles are short the launcher runs this kernel as persistent CTAs with
-    dynamic tiles (`runtime.launch.runs_dynamic`), the same code in a tile loop."""
+    No sequence length or GPU is known here: where tiles are short, and under a block mask without a score_mod at
+    every length up to D=128, the launcher runs this kernel as persistent CTAs with dynamic tiles
+    (`runtime.launch.runs_dynamic`), the same code in a tile loop."""
     import dataclasses
 
     import torch
