@@ -40,7 +40,8 @@ def test_knob_switch_sets_the_knob_and_drops_memoised_configurations():
     from flexlab.runtime import launch
     from flexlab.runtime.compile import KernelMods
     own = policy.DYNAMIC_MAX_MEAN_KV_BLOCKS
-    mods = KernelMods(mask_mod=lambda *a: None, source_hash="causal")
+    # (a score_mod: block masks without one run dynamic tiles at every length whatever this knob says)
+    mods = KernelMods(score_mod=lambda *a: None, mask_mod=lambda *a: None, source_hash="alibi+causal")
     switch = KnobSwitch("DYNAMIC_MAX_MEAN_KV_BLOCKS", 1000, forward=True)
     try:
         switch.use("launcher")

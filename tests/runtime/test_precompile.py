@@ -52,8 +52,9 @@ def test_planned_forward_keys_are_the_launchers(monkeypatch, head_dim, masked):
     assert set(planned) == launched if not masked else launched <= set(planned)
     assert {k.writes_lse for k in planned} == {True, False}
     if head_dim == 128:  # short tiles run the dynamic persistent kernel, one CTA per SM
-        # (dense: persistent clusters at 4096, with the split tail at 16384; masked long tiles: one CTA per tile)
-        ctas = {132} if not masked else {0, 132}
+        # (dense: persistent clusters at 4096, with the split tail at 16384; a mask without a score_mod: dynamic tiles
+        # at every length, `launch.dynamic_at_any_length`)
+        ctas = {132}
         assert {k.config.persistent_ctas for k in planned} == ctas
         assert {k.config.persistent_ctas for k in launched} == ctas
         assert {k.config.split_tail for k in launched} == ({False, True} if not masked else {False})
