@@ -51,6 +51,10 @@ D128_STAGES_FROM_SEQLEN: tuple[tuple[int, int], ...] = ()
 # D=64 with a block mask (no score_mod): 192-row tiles (a BlockMask at 128 is then merged per tile, see
 # `flexlab.runtime.sparsity`), or 128. H200 causal, kernel time: 1.06x at B4 S4k, 1.13x at B1 S16k over 128 rows.
 D64_SPARSE_TILE_M = 192
+# D=256 with a block mask: 64-key tiles (a divisor of torch's 128-key mask blocks), or 80 as the dense kernel takes
+# (a mask at 128 is then merged per tile, `MERGED_TILE_N` in `flexlab.runtime.sparsity`: a tile straddling two mask
+# columns is full only where both are). 80 compiles without spills (CPU test); not yet timed, so 64 stays.
+D256_SPARSE_TILE_N = 64
 # Dense kernels (no mask, no score_mod): CTAs per K/V multicast cluster (`FwdConfig.cluster_m`), 1 or 2. H200, kernel
 # time: D=64 1.03-1.07x at B4 S4k and B1 S16k over three sweeps
 # (benchmarks/results/fwd_cluster2_h200_2026-11-30.json.gz);
@@ -341,8 +345,8 @@ def default_config(head_dim: int, block_sparse: bool = False, has_score_mod: boo
         dense = {} if block_sparse or has_score_mod else {"cluster_m": D128_DENSE_CLUSTER_M}
         return FwdConfig(head_dim=128, tile_m=128, tile_n=128, num_stages=d128_stages(seqlen_k), **opts, **dense)
     # D=256: 80-key tiles fill shared memory with two stages; dense 1.01-1.03x of 64 at B4·S4k and B1·S16k, equal at
-    # B8·S1k (benchmarks/results/fwd_d256_tile_n{64,80}_h200_2026-12-01.json.gz). A block mask needs a divisor of 128.
-    return FwdConfig(head_dim=256, tile_m=128, tile_n=64 if block_sparse else 80, num_stages=2, **opts)
+    # B8·S1k (benchmarks/results/fwd_d256_tile_n{64,80}_h200_2026-12-01.json.gz). Block masks: `D256_SPARSE_TILE_N`.
+    return FwdConfig(head_dim=256, tile_m=128, tile_n=D256_SPARSE_TILE_N if block_sparse else 80, num_stages=2, **opts)
 
 
 def band_options(head_dim: int, band_is_window: bool) -> dict:

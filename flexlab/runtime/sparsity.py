@@ -6,7 +6,8 @@ a mask at torch's 128) is merged instead: it covers parts of two or more mask ro
 only where it is full in every covered row, skipped only where it is empty in every covered row, and partial (mask_mod
 evaluated element by element) otherwise. That is exact whenever the mask's block states agree with its mask_mod (as
 `create_block_mask` builds them); a hand-made mask whose "full" blocks would be masked by mask_mod is not merged the
-way torch would run it, which is why merging is limited to `MERGED_TILE_M`. The result is cached per BlockMask
+way torch would run it, which is why merging is limited to `MERGED_TILE_M`. KV tiles merge the same way, the mask
+columns they cover (`MERGED_TILE_N`: 80-key tiles at D=256 over a mask at 128). The result is cached per BlockMask
 object, so a training loop that reuses its mask pays this once.
 """
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 _CACHE: "OrderedDict[tuple, KernelBlockMask]" = OrderedDict()
 _CACHE_SIZE = 64
 MERGED_TILE_M = (192,)  # Q tiles that accept a mask at any block size by merging the mask rows they cover
+MERGED_TILE_N = (80,)  # KV tiles that accept a mask at any block size by merging the mask columns they cover
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ def incompatibility(block_mask, tile_m: int, tile_n: int) -> str | None:
 
 def block_size_incompatibility(block_size: tuple[int, int], tile_m: int, tile_n: int) -> str | None:
     q_bs, kv_bs = block_size
-    if kv_bs % tile_n or (q_bs % tile_m and tile_m not in MERGED_TILE_M):
+    if (kv_bs % tile_n and tile_n not in MERGED_TILE_N) or (q_bs % tile_m and tile_m not in MERGED_TILE_M):
         return (f"block_mask BLOCK_SIZE={(q_bs, kv_bs)} is not a multiple of the kernel tile {(tile_m, tile_n)}; "
                 f"build it with BLOCK_SIZE={tile_m} or a multiple")
     return None
@@ -59,24 +61,35 @@ def _split(num: torch.Tensor, idx: torch.Tensor, rq: int, rk: int, n_q: int) -> 
     return num[:, :, :n_q].to(torch.int32).contiguous(), idx[:, :, :n_q].to(torch.int32).contiguous()
 
 
-def _merged(block_mask, seqlen_q: int, tile_m: int, rk: int, n_q: int) -> tuple:
-    """Lists for Q tiles that straddle mask rows (see the module docstring); KV blocks in ascending order."""
-    from ..mask.block_mask import BLOCK_EMPTY, BLOCK_FULL, block_states
-    q_bs = int(block_mask.BLOCK_SIZE[0])
+def _covered(states: torch.Tensor, dim: int, count: int, tile: int, block: int, length: int) -> torch.Tensor:
+    """`states` (block states along `dim`) at `count` tiles of `tile` along that axis: a tile is empty where every
+    block it covers (up to `length`) is empty, full where every one is full, partial otherwise."""
+    from ..mask.block_mask import BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL
+    t = torch.arange(count, device=states.device)
+    first = t * tile // block
+    last = (torch.clamp((t + 1) * tile, max=length) - 1) // block
+    nonempty = full = None
+    for k in range(-(-tile // block) + 1):  # a tile covers at most ceil(tile / block) + 1 blocks
+        s = states.index_select(dim, torch.minimum(first + k, last))
+        nonempty = (s != BLOCK_EMPTY) if nonempty is None else nonempty | (s != BLOCK_EMPTY)
+        full = (s == BLOCK_FULL) if full is None else full & (s == BLOCK_FULL)
+    return torch.where(full, BLOCK_FULL, torch.where(nonempty, BLOCK_PARTIAL, BLOCK_EMPTY)).to(torch.int8)
+
+
+def _merged(block_mask, seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int, n_q: int) -> tuple:
+    """Lists for tiles that straddle mask rows or columns (see the module docstring); KV blocks in ascending order."""
+    from ..mask.block_mask import BLOCK_FULL, BLOCK_PARTIAL, block_states
+    q_bs, kv_bs = (int(x) for x in block_mask.BLOCK_SIZE)
     states = block_states(block_mask)  # (B, H, mask rows, mask cols)
-    if rk > 1:
-        states = states.repeat_interleave(rk, dim=-1)
-    t = torch.arange(n_q, device=states.device)
-    first = t * tile_m // q_bs
-    last = (torch.clamp((t + 1) * tile_m, max=seqlen_q) - 1) // q_bs
-    nonempty = torch.zeros(*states.shape[:2], n_q, states.shape[-1], dtype=torch.bool, device=states.device)
-    full = torch.ones_like(nonempty)
-    for k in range(-(-tile_m // q_bs) + 1):  # a tile covers at most ceil(tile_m / q_bs) + 1 mask rows
-        rows = torch.minimum(first + k, last)
-        s = states[:, :, rows]
-        nonempty |= s != BLOCK_EMPTY
-        full &= s == BLOCK_FULL
-    partial = nonempty & ~full
+    if kv_bs % tile_n:
+        states = _covered(states, 3, -(-seqlen_k // tile_n), tile_n, kv_bs, seqlen_k)
+    elif kv_bs > tile_n:
+        states = states.repeat_interleave(kv_bs // tile_n, dim=-1)
+    if q_bs % tile_m:
+        states = _covered(states, 2, n_q, tile_m, q_bs, seqlen_q)
+    else:
+        states = states.repeat_interleave(q_bs // tile_m, dim=2)[:, :, :n_q]
+    partial, full = states == BLOCK_PARTIAL, states == BLOCK_FULL
 
     def lists(sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         idx = torch.sort(sel.to(torch.int8), dim=-1, descending=True, stable=True).indices
@@ -127,8 +140,8 @@ def kernel_block_mask(block_mask, seqlen_q: int, tile_m: int, tile_n: int, seqle
     q_bs, kv_bs = (int(x) for x in block_mask.BLOCK_SIZE)
     rq, rk = q_bs // tile_m, kv_bs // tile_n
     n_q = -(-seqlen_q // tile_m)
-    if q_bs % tile_m:
-        kv_num, kv_idx, full_num, full_idx = _merged(block_mask, seqlen_q, tile_m, rk, n_q)
+    if q_bs % tile_m or kv_bs % tile_n:
+        kv_num, kv_idx, full_num, full_idx = _merged(block_mask, seqlen_q, seqlen_k, tile_m, tile_n, n_q)
     else:
         kv_num, kv_idx = _split(block_mask.kv_num_blocks, block_mask.kv_indices, rq, rk, n_q)
         if block_mask.full_kv_num_blocks is not None:

@@ -430,3 +430,35 @@ def test_band_mask_matches_mask_mod(D, variant, Sq, Skv, monkeypatch):
     assert torch.equal(outs[True][0], outs[False][0])
     assert torch.equal(outs[True][1], outs[False][1])
     _check(outs[True][0], outs[True][1], q, k, v, mods.score_mod, block_mask=bm)
+
+
+@needs_hopper
+@pytest.mark.parametrize("variant,Sq,Skv", [("causal", 1000, 1000), ("causal", 777, 1100),
+                                           ("sliding_window", 2048, 2000), ("document", 1500, 1500),
+                                           ("prefix_lm", 900, 1300), ("alibi", 1000, 1000)])
+def test_d256_merged_80_key_tiles(variant, Sq, Skv, monkeypatch):
+    """`D256_SPARSE_TILE_N` = 80: a block mask at 128 merged into 80-key tiles (a tile straddling two mask columns is
+    full only where both are). Against float64 on ragged lengths, Sq != Skv, GQA, with and without a score_mod."""
+    import flexlab
+    import flexlab.api as api
+    from flexlab.gallery import load_gallery
+    from flexlab.kernels import config as policy
+    from flexlab.runtime import launch
+    monkeypatch.setattr(policy, "D256_SPARSE_TILE_N", 80)
+    launch._config.cache_clear()
+    launch._PLANS.clear()
+    api._WARM.clear()
+    try:
+        mods = load_gallery()[variant].build(B=2, H=4, Q_LEN=Sq, KV_LEN=Skv, device="cuda")
+        mask_mod = mods.mask_mod or (lambda b, h, q_idx, kv_idx: q_idx >= kv_idx)
+        bm = flexlab.create_block_mask(mask_mod, 1, 1, Sq, Skv, device="cuda")
+        q, k, v = random_qkv(2, 4, Sq, Skv, 256, torch.bfloat16, "cuda", Hkv=2)
+        out, lse = flexlab.flex_attention(q, k, v, mods.score_mod, block_mask=bm, enable_gqa=True, return_lse=True,
+                                          backend="cute")
+        planned = [hit[1].config for plans in launch._PLANS.values() for hit in plans[1].values()]
+        assert planned and all(cfg.tile_n == 80 for cfg in planned), planned
+        _check(out, lse, q, k, v, mods.score_mod, block_mask=bm)
+    finally:
+        launch._config.cache_clear()
+        launch._PLANS.clear()
+        api._WARM.clear()

@@ -79,6 +79,16 @@ def test_d64_block_sparse_192_row_tiles():
     assert re.search(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+160", ptx)  # three consumer warpgroups
 
 
+@pytest.mark.parametrize("kind", ["causal", "flex"])
+def test_d256_block_sparse_80_key_tiles(kind):
+    # (`D256_SPARSE_TILE_N`: a mask at 128 merged into 80-key tiles, as the dense D=256 kernel takes them)
+    cfg = dataclasses.replace(default_config(256, True, kind == "flex"), tile_n=80)
+    assert cfg.feasibility_error() is None
+    ptx, report = _compile(cfg, kind)
+    _sound(ptx, report)
+    assert "wgmma.mma_async.sync.aligned.m64n80k16.f32.bf16.bf16" in ptx  # S = Q K^T over 80 keys
+
+
 def test_every_ablation_at_once():
     baseline, _ = _compile(default_config(128, True, True), "flex")
     ptx, report = _compile(dataclasses.replace(default_config(128, True, True), ablate=tuple(ABLATIONS)), "flex")

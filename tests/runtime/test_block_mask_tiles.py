@@ -171,3 +171,35 @@ def test_merging_stays_opt_in_for_power_of_two_tiles():
     bm = create_block_mask(_causal, 1, 1, 256, 256, BLOCK_SIZE=(64, 128))
     assert "multiple of the kernel tile" in incompatibility(bm, 128, 128)
     assert incompatibility(bm, 192, 128) is None
+
+
+# ------------------------------------------------------------------ 80-key tiles over a mask built at 128
+def test_merged_80_key_tiles_compute_the_same_attention():
+    # D=256 kernels may take 80-key tiles under a mask at torch's 128 (`MERGED_TILE_N`): a tile covers parts of one or
+    # two mask columns. Ragged lengths, both tile merges at once, and the kernel's own walk of padded tiles.
+    g = torch.Generator().manual_seed(2)
+    for S, skv, tile_m in ((1000, 1000, 128), (1000, 900, 128), (777, 1000, 192), (1024, 1024, 128)):
+        q, k, v = (torch.randn(n, 16, generator=g, dtype=torch.float64) for n in (S, skv, skv))
+        for mod in (_causal, _window, _doc_mask(max(S, skv)), _everything):
+            bm = create_block_mask(mod, 1, 1, S, skv, BLOCK_SIZE=128)
+            assert incompatibility(bm, tile_m, 80) is None
+            kbm = kernel_block_mask(bm, S, tile_m, 80, skv)
+            assert kbm.kv_num.shape[-1] == -(-S // tile_m) and kbm.kv_idx.dtype == torch.int32
+            keep = mod(0, 0, torch.arange(S)[:, None], torch.arange(skv)[None, :])
+            ref = torch.softmax((q @ k.T).masked_fill(~keep, float("-inf")), dim=-1).nan_to_num(0.0) @ v
+            assert (_kernel_walk(q, k, v, mod, kbm, tile_m, 80) - ref).abs().max() < 1e-12, (mod.__name__, S, skv)
+            listed = kbm.kv_num + kbm.full_num
+            assert int(listed.max()) <= -(-skv // 80)
+
+
+def test_merged_key_tiles_skip_and_trust_only_what_every_covered_column_says():
+    S = 512
+    kbm = kernel_block_mask(create_block_mask(_causal, 1, 1, S, S, BLOCK_SIZE=128), S, 128, 80, S)
+    states = _states(kbm.kv_num, kbm.kv_idx, kbm.full_num, kbm.full_idx, 9)[0, 0, :, :7]
+    # Q tile 1 (rows 128..255): mask column 0 full, column 1 partial (the diagonal), columns 2+ empty. Key tile 0
+    # (keys 0..79) lies in column 0: full; tile 1 (80..159) straddles columns 0 and 1: partial; tile 2 (160..239) in
+    # column 1: partial; tile 3 (240..319) straddles columns 1 and 2: partial; tile 4 (320..399) in column 2: skipped.
+    assert states[1, :5].tolist() == [2, 1, 1, 1, 0]
+    # rows 384..511: key tiles 0-3 (keys 0..319) in full columns; tile 4 (320..399) reaches the diagonal column 3
+    assert states[3].tolist() == [2, 2, 2, 2, 1, 1, 1]
+    assert "multiple of the kernel tile" in incompatibility(create_block_mask(_causal, 1, 1, S, S), 128, 96)

@@ -216,3 +216,14 @@ def test_sliding_window_bands_are_masked_per_row_up_to_d128(fresh_policy):
     fresh_policy.setattr(policy, "BAND_MASK_MAX_HEAD_DIM", 0)  # 0: never
     launch._config.cache_clear()
     assert not launch.config_for(128, True, kernel_mods["sliding_window"], 4096).band_mask
+
+
+def test_d256_block_masks_may_take_80_key_tiles(fresh_policy):
+    from flexlab.backends import cute as backend
+    assert default_config(256, True).tile_n == policy.D256_SPARSE_TILE_N == 64  # until 80 is timed
+    fresh_policy.setattr(policy, "D256_SPARSE_TILE_N", 80)
+    fresh_policy.setattr(backend, "_MASK_REASON", {})
+    cfg = launch.config_for(256, True, KernelMods(mask_mod=lambda *a: None, source_hash="causal"), 4096)
+    assert cfg.tile_n == 80 and cfg.feasibility_error() is None
+    assert backend._mask_reason((128, 128), 256) == ""  # a mask at torch's 128 merges into 80-key tiles
+    assert backend._mask_reason((256, 64), 256) == ""  # (any key block size)
