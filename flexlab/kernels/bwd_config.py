@@ -29,6 +29,7 @@ call (128 at D=64 where it pays, see `D64_TILE_M`):
                   captured tensors it reads (document ids) wait behind the GEMM instead of in front of the softmax
                   (measured and not used: 0.93x at D=64 and 0.98x at D=128 on the document rows,
                   benchmarks/results/mask_early_h200_2026-11-30.json.gz; with 64-row steps at D=128 it spills);
+                  with `band_mask`, the band's words are formed there instead (index arithmetic alone);
   dq_split_rows   each consumer warpgroup computes 64 query rows of the dQ partial over the whole head dim (wgmma
                   N = head_dim) instead of all tile_m rows over head_dim / warpgroups columns (N = 32 at D=64, where
                   the shared-memory A operand limits the tensor cores); needs tile_m = 64 * warpgroups; the default
@@ -195,9 +196,12 @@ class BwdConfig:
     # the generated `mask_band_by_key`: one word of bits per row, each score kept by its bit, instead of evaluating
     # mask_mod per score (`FwdConfig.band_mask` in the forward). CPU compile, SASS instructions per step loop with
     # mask_mod / with this, sliding window of 1024: D=64 partial-tile loop 942 / 791, D=128 (one loop) 622 / 563;
-    # causal D=64 814 / 783. Off: fewer instructions but slower on the H200, backward timed in turns, the median of
-    # each round's ratio (bwd_band_mask_probe_h200_2026-12-03.json.gz): sliding window D=128 0.98x at B1·S16k and
-    # 0.99x at B4·S4k, D=64 0.98x; causal D=64 0.96x, D=128 1.00x. Gradients equal dK/dV bitwise.
+    # causal D=64 814 / 783. With `mask_early` the words are formed while the S^T GEMM runs; without it, at D=128
+    # after the GEMM's wait, in front of the exponentials (the SASS showed them there; D=64's partial-tile loop has
+    # them ahead of the GEMM's issue either way). Off: fewer instructions but slower on the H200 without mask_early,
+    # backward timed in turns, the median of each round's ratio (bwd_band_mask_probe_h200_2026-12-03.json.gz): sliding
+    # window D=128 0.98x at B1·S16k and 0.99x at B4·S4k, D=64 0.98x; causal D=64 0.96x, D=128 1.00x. Gradients equal
+    # dK/dV bitwise.
     band_mask: bool = False
 
     @property

@@ -22,8 +22,9 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .fwd_sm90 import wgmma
 from .layout import as_operand_a, convert_to_16bit, row_major_order, rows_view
-from .mask import (FRAGMENT_ROWS, apply_band_mask, apply_fragment_bits, apply_mask_bits, apply_mask_mod, band_for,
-                   element_indices, load_fragment_bits, mask_kv_tail, mask_mod_bits)
+from .mask import (FRAGMENT_ROWS, apply_band_mask, apply_band_words, apply_fragment_bits, apply_mask_bits,
+                   apply_mask_mod, band_for, band_words, element_indices, load_fragment_bits, mask_kv_tail,
+                   mask_mod_bits)
 from .named_barrier import BwdBarrier
 from .score_mod import apply_score_mod
 from .stage_waits import arrive_after, wait_full
@@ -84,8 +85,18 @@ class BwdStep:
             if partial:
                 bits, n_block, row, word = ops.stored
                 load_fragment_bits(words, bits, batch, head, n_block, position, row, word)
+        band = None if self.mask_mod is None else band_for(self.mask_mod, acc_S, self.cfg.band_mask, by_key=True)
+        early_band = cutlass.const_expr(early_mask and band is not None and words is None)
+        band_bits = None
+        if cutlass.const_expr(early_band):
+            # mask_early with a band mask: each key row's word of kept queries is index arithmetic alone, formed
+            # while S^T is on the tensor cores, so the softmax finds it ready
+            band_bits = cute.make_rmem_tensor(FRAGMENT_ROWS, cutlass.Uint32)
+            if partial:
+                band_words(band_bits, cute.size(acc_S), coords, band, batch, head, q_start, kv_start, aux_tensors,
+                           aux_scalars, by_key=True)
         keep_bits = None
-        if cutlass.const_expr(early_mask):
+        if cutlass.const_expr(early_mask and not early_band):
             # mask_mod into bit masks while S^T is on the tensor cores: the loads of captured tensors it reads then
             # wait behind the GEMM, not in front of the softmax (FwdConfig.mask_early, the same in the forward).
             keep_bits = cute.make_rmem_tensor(-(-cute.size(acc_S) // 32), cutlass.Uint32)
@@ -105,10 +116,11 @@ class BwdStep:
             apply_score_mod(acc_S, coords, self.score_mod, softmax_scale, batch, head, q_start, kv_start, q_last,
                             kv_last, self.clamp_indices, aux_tensors, aux_scalars)
         if cutlass.const_expr(self.mask_mod is not None):
-            band = band_for(self.mask_mod, acc_S, self.cfg.band_mask, by_key=True)
             if partial:
                 if cutlass.const_expr(words is not None):
                     apply_fragment_bits(acc_S, words)
+                elif cutlass.const_expr(early_band):
+                    apply_band_words(acc_S, band_bits)
                 elif cutlass.const_expr(early_mask):
                     apply_mask_bits(acc_S, keep_bits)
                 elif cutlass.const_expr(band is not None):

@@ -165,6 +165,8 @@ class FwdConfig:
     # Partial blocks: mask_mod into bit masks while the QK GEMM runs (reads the block index early too). H200,
     # 2026-11-30: 0.98x on the document rows, 1.01-1.02x on sliding windows
     # (benchmarks/results/mask_early_h200_2026-11-30.json.gz); with 192-row tiles (160 registers per thread) it spills.
+    # With `band_mask` the band's words are formed there instead (index arithmetic alone; without it, after the
+    # GEMM's wait). Not yet timed in that form.
     mask_early: bool = False
     # Block-sparse only: partial blocks read their mask from bits stored by the launcher (`runtime.mask_bits`, passed
     # after the four block lists) instead of evaluating mask_mod; the launcher's choice for masks that read captured

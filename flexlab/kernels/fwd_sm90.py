@@ -49,8 +49,8 @@ from cutlass.tensor_utils import LayoutEnum
 from .block_sparse import KvSchedule
 from .config import TILE_SLOT_WORDS, TILE_SLOTS, FwdConfig
 from .layout import as_operand_a, bshd_view, convert_to_16bit, rows_view, tma_tiles, transpose_smem
-from .mask import (FRAGMENT_ROWS, apply_band_mask, apply_fragment_bits, apply_mask_bits, apply_mask_mod, band_for,
-                   load_fragment_bits, mask_kv_tail, mask_mod_bits)
+from .mask import (FRAGMENT_ROWS, apply_band_mask, apply_band_words, apply_fragment_bits, apply_mask_bits,
+                   apply_mask_mod, band_for, band_words, load_fragment_bits, mask_kv_tail, mask_mod_bits)
 from .named_barrier import FwdBarrier
 from .score_mod import apply_score_mod
 from .softmax import OnlineSoftmax, rescale_rows
@@ -606,11 +606,17 @@ class FlexFwdSm90:
         self.pass_turn(wg)
         words = self.stored_words(stored, i, use_mask_mod)
         keep_bits = None
+        band = band_for(self.mask_mod, acc_S, self.cfg.band_mask) if early_mask else None
         if cutlass.const_expr(early_mask):
-            keep_bits = cute.make_rmem_tensor(-(-cute.size(acc_S) // 32), cutlass.Uint32)
             batch, head, q_start, q_last, kv_last, _, aux_tensors, aux_scalars = mods
-            mask_mod_bits(keep_bits, coords, self.mask_mod, batch, head, q_start, n_block * self.tile_n, q_last,
-                          kv_last, self.clamp_indices, aux_tensors, aux_scalars)
+            if cutlass.const_expr(band is not None):  # a band's words: index arithmetic alone
+                keep_bits = cute.make_rmem_tensor(FRAGMENT_ROWS, cutlass.Uint32)
+                band_words(keep_bits, cute.size(acc_S), coords, band, batch, head, q_start, n_block * self.tile_n,
+                           aux_tensors, aux_scalars)
+            else:
+                keep_bits = cute.make_rmem_tensor(-(-cute.size(acc_S) // 32), cutlass.Uint32)
+                mask_mod_bits(keep_bits, coords, self.mask_mod, batch, head, q_start, n_block * self.tile_n, q_last,
+                              kv_last, self.clamp_indices, aux_tensors, aux_scalars)
         warpgroup.wait_group(0 if no_pv else 1)  # S_i ready; PV still on the tensor cores
         # Partial blocks that evaluate mask_mod keep ptxas's schedule: a mask's live values beside a P.V operand held
         # longer raised spills (gallery block_diffusion 156 -> 216 bytes).
@@ -622,7 +628,10 @@ class FlexFwdSm90:
             n_block = sched.block_of_kind(i, use_mask_mod)
         self.mod_scores(acc_S, coords, n_block, seqlen_k, mods, use_mask_mod and not early_mask, False, words)
         if cutlass.const_expr(early_mask):
-            apply_mask_bits(acc_S, keep_bits)
+            if cutlass.const_expr(band is not None):
+                apply_band_words(acc_S, keep_bits)
+            else:
+                apply_mask_bits(acc_S, keep_bits)
         moved = None
         if cutlass.const_expr(with_softmax):
             # (partial blocks rescale eagerly: a heavy inline mask spilled more with the vote's registers, and with

@@ -171,20 +171,35 @@ def apply_band_mask(acc_s: cute.Tensor, coords: cute.Tensor, band: cutlass.Const
     """-inf outside each row's range `band(b, h, row index, ...)` = (lo, hi); the same result as mask_mod. Rows are
     queries and the range is of keys (`mask_band`), or with `by_key` (the backward's S^T, `coords` still (q, kv))
     rows are keys and the range is of queries (`mask_band_by_key`)."""
-    n = cute.size(acc_s)
+    words = cute.make_rmem_tensor(FRAGMENT_ROWS, Uint32)
+    band_words(words, cute.size(acc_s), coords, band, batch, head, q_start, kv_start, aux_tensors, aux_scalars,
+               by_key)
+    apply_band_words(acc_s, words)
+
+
+@cute.jit
+def band_words(words: cute.Tensor, n: cutlass.Constexpr[int], coords: cute.Tensor, band: cutlass.Constexpr,
+               batch: Int32, head: Int32, q_start: Int32, kv_start: Int32, aux_tensors, aux_scalars,
+               by_key: cutlass.Constexpr[bool] = False):
+    """`apply_band_mask`'s words, one per fragment row, into `words`, for an accumulator of `n` scores per thread:
+    index arithmetic alone, so a step may form them while its scores are still on the tensor cores."""
     if cutlass.const_expr(not _band_fits(n)):
         raise ValueError(f"a band mask covers up to {BAND_MAX_ROW_ELEMENTS} scores per row of an m64nN accumulator "
                          f"fragment, got {n} scores over {FRAGMENT_ROWS} rows")
     row_axis, col_axis = (1, 0) if by_key else (0, 1)
     row_start, col_start = (kv_start, q_start) if by_key else (q_start, kv_start)
     first_col = col_start + coords[0][col_axis]
-    words = []
     for h in cutlass.range_constexpr(FRAGMENT_ROWS):
         lo, hi = band(batch, head, row_start + coords[2 * h][row_axis], aux_tensors, aux_scalars)
         from_lo = _ones_from(_elements_before(lo - first_col))  # elements at or past lo
         from_hi = _ones_from(_elements_before(hi - first_col))  # elements at or past hi
-        words.append(from_lo & ~from_hi)
-    for i in cutlass.range_constexpr(n):
+        words[h] = from_lo & ~from_hi
+
+
+@cute.jit
+def apply_band_words(acc_s: cute.Tensor, words: cute.Tensor):
+    """-inf where a `band_words` word has a 0 bit: element e + 2 h + 4 j tests bit 2 j + e of word h."""
+    for i in cutlass.range_constexpr(cute.size(acc_s)):
         e, h, j = i % 2, (i // 2) % 2, i // 4
         keep = Boolean(words[h] & (Uint32(1) << (2 * j + e)))
         acc_s[i] = acc_s[i] if keep else -Float32.inf

@@ -121,6 +121,15 @@ def exp2_before(body: list[str], instruction: str) -> tuple[int, int]:
     return sum(1 for i in exp2 if i < at), len(exp2)
 
 
+def variable_shifts_before_wait(body: list[str]) -> tuple[int, int]:
+    """(left shifts by a register amount issued before a loop body's first GEMM wait, R2P after it): where a band
+    mask's words (`kernels.mask.band_words`, two such shifts per row) and their bit tests sit around the wait for
+    the scores (`mask_early` with `band_mask`)."""
+    wait = next(i for i, ins in enumerate(body) if ins.startswith("WARPGROUP.DEPBAR"))
+    shifts = [i for i, ins in enumerate(body) if re.match(r"SHF\.L\.U32 R\d+, R\d+(\.reuse)?, R\d+", ins)]
+    return sum(1 for i in shifts if i < wait), sum(1 for ins in body[wait:] if ins.startswith("R2P"))
+
+
 def sass_gemm_loop_bodies(sass: str) -> list[list[str]]:
     """The instructions (opcode and operands, predicate dropped) of every loop that issues HGMMA, in issue order: where
     ptxas placed a wait or a barrier inside a step, which opcode counts cannot say."""

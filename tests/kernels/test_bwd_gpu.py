@@ -149,7 +149,8 @@ def test_persistent_ctas_match_one_tile_per_cta(D, sparse, monkeypatch):
 
 
 def _option_against_default(field, D, mask_mod, deterministic, monkeypatch):
-    """The backward with `BwdConfig.<field>` flipped against the launcher's setting on the same inputs: dK and dV the
+    """The backward with `BwdConfig.<field>` (or each field of a tuple) flipped against the launcher's setting on
+    the same inputs: dK and dV the
     same bits (the same steps in the same order), dQ within rounding (bitwise in deterministic mode, whose order is
     fixed), and both against float64. GQA, ragged lengths (the padded last Q tile), `mask_mod` as a block mask."""
     from dataclasses import replace
@@ -164,7 +165,8 @@ def _option_against_default(field, D, mask_mod, deterministic, monkeypatch):
     for flip in (False, True):
         def config(*args, flip=flip):
             cfg = default(*args)
-            return replace(cfg, **{field: getattr(cfg, field) != flip}).validate()
+            fields = field if isinstance(field, tuple) else (field,)
+            return replace(cfg, **{f: getattr(cfg, f) != flip for f in fields}).validate()
         monkeypatch.setattr(bwd_launch, "_config", config)
         bwd_launch._PLANS.clear()  # (planned once per signature, with the configuration of that time)
         grads[flip] = _backward(q, k, v, None, bm, [], dout, True, deterministic=deterministic)
@@ -196,6 +198,13 @@ def test_band_mask_matches_mask_mod(D, mask_mod, deterministic, monkeypatch):
     """`BwdConfig.band_mask` (partial query tiles of a band mask masked per key row from `mask_band_by_key`) against
     evaluating mask_mod per score."""
     _option_against_default("band_mask", D, mask_mod, deterministic, monkeypatch)
+
+
+@needs_hopper
+@pytest.mark.parametrize("D,mask_mod", [(128, _causal), (128, _window), (64, _window)])
+def test_early_band_words_match_mask_mod(D, mask_mod, monkeypatch):
+    """`band_mask` with `mask_early`: the band's words formed while the S^T GEMM runs, against mask_mod per score."""
+    _option_against_default(("band_mask", "mask_early"), D, mask_mod, False, monkeypatch)
 
 
 @needs_hopper

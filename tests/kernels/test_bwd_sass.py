@@ -138,3 +138,34 @@ def test_band_mask_tests_each_key_row_once(D):
     shorter = [off - on for (off, _), (on, _) in zip(loops[False], loops[True])]
     assert max(shorter) >= 50 and min(shorter) >= 0, loops  # loops that hold no partial tile stay as they are
     assert all((r2p > 0) == (cut > 0) for (_, r2p), cut in zip(loops[True], shorter)), loops
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_mask_early_forms_the_band_words_while_the_st_gemm_runs(D):
+    """`mask_early` with `band_mask`: each key row's word of kept queries is formed before the step waits for S^T.
+    Without mask_early, D=128's one loop (a runtime branch on the tile's kind) forms it after the wait, where the
+    H200 timed the band slower than mask_mod; D=64's partial-tile loop (`kind_loops`) has no branch, and ptxas
+    places the words ahead of the GEMM's issue either way."""
+    import dataclasses
+
+    from bwd_option_report import compile_ptx, key_for
+
+    from flexlab.codegen import generate
+    from flexlab.kernels.bwd_launch import config_for
+    from flexlab.viz.compile_report import report_from_ptx, variable_shifts_before_wait
+
+    def sliding(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < 1024)
+
+    g = generate(None, sliding, fastmath=True)
+    cfg = config_for(D, False, g, False, 128)
+    ahead = {}
+    for early in (False, True):
+        c = dataclasses.replace(cfg, band_mask=True, mask_early=early)
+        rep = report_from_ptx(compile_ptx(key_for(c, g, True, False), g))
+        if rep.missing:
+            pytest.skip(f"needs {rep.missing}")
+        assert not rep.errors and rep.spill_store_bytes == 0 and rep.spill_load_bytes == 0
+        ahead[early] = variable_shifts_before_wait(rep.gemm_loop_bodies[0])  # (partial tiles come first)
+    assert ahead[True][0] >= 4 and ahead[True][1] > 0, ahead
+    assert ahead[False][0] == (0 if D == 128 else ahead[True][0]), ahead

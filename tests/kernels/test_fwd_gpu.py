@@ -399,8 +399,9 @@ def test_zero_and_negative_scale_take_torch_backend(D):
 def test_band_mask_matches_mask_mod(D, variant, Sq, Skv, monkeypatch):
     """`FwdConfig.band_mask`: partial blocks of a mask the code generator recognises as a band (causal, sliding
     windows, with and without a score_mod) are masked per row from the generated `mask_band`. The same outputs and
-    LSE as evaluating mask_mod per score, bitwise, and float64 within tolerance; ragged key lengths, Sq != Skv, GQA,
-    persistent tiles (short tiles) and one CTA per tile (causal at 6000)."""
+    LSE as evaluating mask_mod per score, bitwise, and float64 within tolerance, with the words formed after the QK
+    GEMM's wait or, with `mask_early`, while it runs; ragged key lengths, Sq != Skv, GQA, persistent tiles and one CTA
+    per tile (D=256 causal at 6000)."""
     import dataclasses
 
     import flexlab
@@ -411,12 +412,12 @@ def test_band_mask_matches_mask_mod(D, variant, Sq, Skv, monkeypatch):
     bm = flexlab.create_block_mask(mods.mask_mod, 1, 1, Sq, Skv, device="cuda")
     q, k, v = random_qkv(2, 4, Sq, Skv, D, torch.bfloat16, "cuda", Hkv=2)
     launcher, outs = launch.scheduled, {}
-    for band in (False, True):
+    for band, early in ((False, False), (True, False), (True, True)):  # (early: the words formed during the GEMM)
         made = {}
 
         def hook(*a, **kw):
             cfg = launcher(*a, **kw)
-            return made.setdefault(cfg, dataclasses.replace(cfg, band_mask=band))
+            return made.setdefault(cfg, dataclasses.replace(cfg, band_mask=band, mask_early=early))
 
         monkeypatch.setattr(launch, "scheduled", hook)
         launch._PLANS.clear()
@@ -424,12 +425,13 @@ def test_band_mask_matches_mask_mod(D, variant, Sq, Skv, monkeypatch):
         out, lse = flexlab.flex_attention(q, k, v, mods.score_mod, block_mask=bm, enable_gqa=True, return_lse=True,
                                           backend="cute")
         assert made, "the launcher never asked for a configuration"
-        outs[band] = (out, lse)
+        outs[band, early] = (out, lse)
     launch._PLANS.clear()
     api._WARM.clear()
-    assert torch.equal(outs[True][0], outs[False][0])
-    assert torch.equal(outs[True][1], outs[False][1])
-    _check(outs[True][0], outs[True][1], q, k, v, mods.score_mod, block_mask=bm)
+    for variant in ((True, False), (True, True)):
+        assert torch.equal(outs[variant][0], outs[False, False][0]), variant
+        assert torch.equal(outs[variant][1], outs[False, False][1]), variant
+    _check(outs[True, True][0], outs[True, True][1], q, k, v, mods.score_mod, block_mask=bm)
 
 
 @needs_hopper

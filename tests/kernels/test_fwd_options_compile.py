@@ -448,3 +448,25 @@ def test_band_mask_tests_each_row_once(D):
     assert band_partial.get("R2P", 0) > 0
     assert sum(band_partial.values()) <= sum(partial.values()) - 40, (sum(band_partial.values()), sum(partial.values()))
     assert sum(band_full.values()) == sum(full.values())
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_mask_early_forms_the_band_words_while_the_qk_gemm_runs(D):
+    """`mask_early` with `band_mask`: the partial step computes each row's word of kept keys (two variable shifts
+    per row) before waiting for S, and only the bit tests (R2P) after; without mask_early they follow the wait."""
+    from flexlab.gallery import load_gallery
+    from flexlab.runtime.compile import forward_ptx
+    from flexlab.runtime.launch import _dynamic
+    from flexlab.viz.compile_report import _forward_key, report_from_ptx, variable_shifts_before_wait
+    mods = load_gallery()["sliding_window"].build(B=1, H=4, Q_LEN=4096, KV_LEN=4096)
+    key, kmods, cfg = _forward_key(mods.score_mod, mods.mask_mod, "bfloat16", D, None, "sm_90a")
+    ahead = {}
+    for early in (False, True):
+        c = _dynamic(dataclasses.replace(cfg, band_mask=True, mask_early=early), 132)
+        rep = report_from_ptx(forward_ptx(dataclasses.replace(key, config=c), kmods))
+        if rep.missing:
+            pytest.skip(f"needs {rep.missing}")
+        assert rep.spill_store_bytes == 0 and rep.spill_load_bytes == 0
+        ahead[early] = variable_shifts_before_wait(rep.gemm_loop_bodies[0])  # the partial-block loop
+    assert ahead[True][0] >= 4 and ahead[True][1] > 0, ahead  # 2 rows x 2 bounds
+    assert ahead[False][0] == 0, ahead
