@@ -106,14 +106,9 @@ def test_whole_tiles_of_a_cut_last_wave_run_the_loops_of_a_kernel_without_a_tail
     assert bodies[0] and bodies[0] == bodies[1]
 
 
-# SASS instructions per step loop, sliding window of 1024 with the launcher's configuration (`BwdConfig.band_mask`
-# off / on, CPU compile when the option landed): D=64 partial-tile loop 942 / 791 (full-tile loop 648 both), D=128
-# one loop 622 / 563 and 691 / 631.
-@pytest.mark.parametrize("D", [64, 128])
-def test_band_mask_tests_each_key_row_once(D):
-    """`BwdConfig.band_mask`: a sliding window's partial query tiles take each key row's query range from the
-    generated `mask_band_by_key` and keep scores by bit (R2P + FSEL): shorter loops, no other loop changed, no
-    spills."""
+def _sliding_window_reports(D: int, **variants) -> dict:
+    """Compile reports of the backward's kernel for a sliding window of 1024 (the launcher's configuration at
+    head_dim D under a 128 block mask), one per variant name -> `BwdConfig` fields; skips without nvdisasm."""
     import dataclasses
 
     from bwd_option_report import compile_ptx, key_for
@@ -127,13 +122,27 @@ def test_band_mask_tests_each_key_row_once(D):
 
     g = generate(None, sliding, fastmath=True)
     cfg = config_for(D, False, g, False, 128)
-    loops = {}
-    for band in (False, True):
-        rep = report_from_ptx(compile_ptx(key_for(dataclasses.replace(cfg, band_mask=band), g, True, False), g))
+    reports = {}
+    for name, fields in variants.items():
+        rep = report_from_ptx(compile_ptx(key_for(dataclasses.replace(cfg, **fields), g, True, False), g))
         if rep.missing:
             pytest.skip(f"needs {rep.missing}")
         assert not rep.errors and rep.spill_store_bytes == 0 and rep.spill_load_bytes == 0
-        loops[band] = [(sum(c.values()), c.get("R2P", 0)) for c in rep.gemm_loops]
+        reports[name] = rep
+    return reports
+
+
+# SASS instructions per step loop, sliding window of 1024 with the launcher's configuration (`BwdConfig.band_mask`
+# off / on, CPU compile when the option landed): D=64 partial-tile loop 942 / 791 (full-tile loop 648 both), D=128
+# one loop 622 / 563 and 691 / 631.
+@pytest.mark.parametrize("D", [64, 128])
+def test_band_mask_tests_each_key_row_once(D):
+    """`BwdConfig.band_mask`: a sliding window's partial query tiles take each key row's query range from the
+    generated `mask_band_by_key` and keep scores by bit (R2P + FSEL): shorter loops, no other loop changed, no
+    spills."""
+    reports = _sliding_window_reports(D, off=dict(band_mask=False), on=dict(band_mask=True))
+    loops = {band: [(sum(c.values()), c.get("R2P", 0)) for c in reports["on" if band else "off"].gemm_loops]
+             for band in (False, True)}
     assert len(loops[False]) == len(loops[True])
     shorter = [off - on for (off, _), (on, _) in zip(loops[False], loops[True])]
     assert max(shorter) >= 50 and min(shorter) >= 0, loops  # loops that hold no partial tile stay as they are
@@ -146,26 +155,10 @@ def test_mask_early_forms_the_band_words_while_the_st_gemm_runs(D):
     Without mask_early, D=128's one loop (a runtime branch on the tile's kind) forms it after the wait, where the
     H200 timed the band slower than mask_mod; D=64's partial-tile loop (`kind_loops`) has no branch, and ptxas
     places the words ahead of the GEMM's issue either way."""
-    import dataclasses
-
-    from bwd_option_report import compile_ptx, key_for
-
-    from flexlab.codegen import generate
-    from flexlab.kernels.bwd_launch import config_for
-    from flexlab.viz.compile_report import report_from_ptx, variable_shifts_before_wait
-
-    def sliding(b, h, q_idx, kv_idx):
-        return (q_idx >= kv_idx) & (q_idx - kv_idx < 1024)
-
-    g = generate(None, sliding, fastmath=True)
-    cfg = config_for(D, False, g, False, 128)
-    ahead = {}
-    for early in (False, True):
-        c = dataclasses.replace(cfg, band_mask=True, mask_early=early)
-        rep = report_from_ptx(compile_ptx(key_for(c, g, True, False), g))
-        if rep.missing:
-            pytest.skip(f"needs {rep.missing}")
-        assert not rep.errors and rep.spill_store_bytes == 0 and rep.spill_load_bytes == 0
-        ahead[early] = variable_shifts_before_wait(rep.gemm_loop_bodies[0])  # (partial tiles come first)
+    from flexlab.viz.compile_report import variable_shifts_before_wait
+    reports = _sliding_window_reports(D, late=dict(band_mask=True), early=dict(band_mask=True, mask_early=True))
+    # (partial tiles come first)
+    ahead = {early: variable_shifts_before_wait(reports["early" if early else "late"].gemm_loop_bodies[0])
+             for early in (False, True)}
     assert ahead[True][0] >= 4 and ahead[True][1] > 0, ahead
     assert ahead[False][0] == (0 if D == 128 else ahead[True][0]), ahead
