@@ -84,7 +84,8 @@ def _signature(query, key, value, score_mod, block_mask, scale, enable_gqa, retu
     capture (`WarmForward` re-checks those); None for inputs that are not plain tensors. The mods and the block mask
     enter by identity: a warm entry holds them, so their ids cannot be reused while it lives."""
     tensor = torch.Tensor
-    if type(query) is not tensor or type(key) is not tensor or type(value) is not tensor or not kernel_takes_scale(scale):
+    if (type(query) is not tensor or type(key) is not tensor or type(value) is not tensor
+            or not kernel_takes_scale(scale)):
         return None  # (a scale the kernels cannot take always goes through the backend choice)
     return (query.shape, key.shape, value.shape, query.stride(), key.stride(), value.stride(), query.dtype,
             key.dtype, value.dtype, query.device, key.device, value.device, id(score_mod), id(block_mask),

@@ -44,7 +44,8 @@ def _static_key_parts() -> tuple[str, bool]:
 
 
 _FAST: dict[tuple, tuple] = {}
-# per call signature: (its one-CTA-per-tile configuration, {SM count of its dynamic form or 0: compiled kernel})
+# per call signature: (its one-CTA-per-tile configuration, {scheduling plan: compiled kernel}, whether it runs
+# dynamic tiles at every length: `dynamic_at_any_length`)
 _PLANS: dict[tuple, tuple] = {}
 
 
@@ -322,11 +323,13 @@ def _plan(q: torch.Tensor, k: torch.Tensor, mods: KernelMods, block_mask, config
     fast = (mods, q.dtype, D, sparse, arch, stages, writes_lse)
     plans = _PLANS.get(fast)
     if plans is None:
-        plans = _PLANS[fast] = (config_for(D, sparse, mods, Skv), {})
-    base, compiled = plans  # compiled: (scheduling, SM count of a persistent kernel or 0, reads bits, tile_m) -> ...
+        plans = _PLANS[fast] = (config_for(D, sparse, mods, Skv), {},
+                                dynamic_at_any_length(D, sparse, mods.score_mod is not None))
+    # compiled: (scheduling, SM count of a persistent kernel or 0, reads bits, tile_m) -> ...
+    base, compiled, any_length = plans
     kbm = kernel_block_mask(block_mask, q.shape[2], base.tile_m, base.tile_n, Skv) if sparse else None
     mean = kbm.mean_kv_blocks if sparse else dense_mean_kv_blocks(base, Skv)
-    how = scheduling(base, mean, dynamic_at_any_length(D, sparse, mods.score_mod is not None))
+    how = scheduling(base, mean, any_length)
     num_sms = _sm_count(q.device) if how else 0
     bits = _stored_bits(q, kbm, base, Skv, stored_masks)
     tiles = base
