@@ -176,11 +176,11 @@ class BwdConfig:
     persistent_short_tiles: bool = True
     # Dense, one CTA per tile: the tiles of the last wave, which would leave SMs idle (2048 tiles on 132 SMs run 16
     # waves for 15.5 waves of work), are cut into `parts` CTAs each, each walking an even share of the tile's query
-    # steps; the last part to finish adds the others' dK and dV and stores them (`kernels.split_tail.TailPiece`). Two
-    # kernels on the stream: one of `whole_tiles_only` (today's kernel, whose CTAs past the whole tiles do nothing),
-    # then one of `split_tail` (the parts). The whole tiles keep the code of a kernel without a tail: one kernel that
-    # ran both decoded its tile from a 1-D index and bounded its steps at run time, and its whole tiles were 2-4% slower
-    # (BENCHMARKS.md). The launcher cuts where `split_parts` says that pays.
+    # steps; the last part to finish adds all parts' dK and dV in part order and stores them
+    # (`kernels.split_tail.TailPiece`). Two kernels on the stream: one of `whole_tiles_only` (today's kernel, whose
+    # CTAs past the whole tiles do nothing), then one of `split_tail` (the parts). The whole tiles keep the code of a
+    # kernel without a tail: one kernel that ran both decoded its tile from a 1-D index and bounded its steps at run
+    # time, and its whole tiles were 2-4% slower (BENCHMARKS.md). The launcher cuts where `split_parts` says that pays.
     split_tail: bool = False
     whole_tiles_only: bool = False
     # The launcher may cut the last wave (`split_parts`); off for the sweep's candidate without it.

@@ -12,8 +12,11 @@ SMs take 16 rounds for 15.5 rounds of work. Here the whole rounds stay one tile 
     workers puts them all in the tail: runs are shorter, a tile has more parts, and the merge takes any number.
   * A worker computes each part of a cut tile as a tile of its own (same K/V pipeline, same softmax), normalises it,
     and publishes O (fp32, in its register order) and the LSE rows to its slot of a global workspace. It then counts
-    itself in on the tile's arrival counter. Whichever part arrives last merges the others into its registers
-    (O = sum of exp(lse_p - lse) O_p) and stores O and the LSE as a whole tile would. No worker ever waits for another.
+    itself in on the tile's arrival counter. Whichever part arrives last merges them all (O = sum of exp(lse_p - lse)
+    O_p) and stores O and the LSE as a whole tile would. No worker ever waits for another.
+  * The merge reads every part back from the workspace, its own included, in worker order: the result then has the
+    same bits whichever part arrived last, so a call repeats bitwise (folding the others into its own registers
+    would round in an order that changes with the arrival order from launch to launch).
   * The last arrival puts the counter back to 0, so the workspace is ready for the next launch on the stream.
 
 Workspace (`runtime.launch.scheduler_workspace`, sized by `FwdConfig.split_tail_workspace`): `arrivals` int32, one
@@ -85,8 +88,8 @@ class TailPiece(Carried):
     (`BwdConfig.split_tail`), `parts` CTAs per tile, each walking an even share of the tile's `steps` query steps
     (numbered across the GQA group, head by head). The launcher picks `parts` so those shares fill the last waves
     evenly (`bwd_config.split_parts`). dK and dV of a cut tile are sums over its steps: each part publishes its own,
-    and the last to arrive adds the others' and stores them. Built from the CTA index of the second kernel by every
-    warp; on Python ints too (the host-side tests).
+    and the last to arrive adds all of them in part order (the same bits whichever came last) and stores them. Built
+    from the CTA index of the second kernel by every warp; on Python ints too (the host-side tests).
 
     `tile`: the KV tile (in the first kernel's launch order) this CTA works on; [`lo`, `hi`): its steps; `t`: the
     tile's place among the cut ones (its arrival counter); `part`: which part of it this is."""
@@ -172,8 +175,8 @@ def arrive(arrivals: cute.Tensor, which, flag: cute.Tensor, tidx: Int32, barrier
 @cute.jit
 def merge_parts(split: SplitTail, workspace, acc_o: cute.Tensor, lse: cute.Tensor, t: Int32, rank: Int32,
                 cluster_m: cutlass.Constexpr[int], tidx: Int32, num_threads: cutlass.Constexpr[int]):
-    """The last part of tail tile `t`: fold every other worker's part into this thread's O rows and LSE (natural
-    log, -inf for a row no part saw a key of), two parts at a time."""
+    """The last part of tail tile `t`: merge every worker's part, this one's included, into this thread's O rows and
+    LSE (natural log, -inf for a row no part saw a key of), in worker order from the workspace, two at a time."""
     _, partials = workspace
     n_o = cute.size(acc_o)
     n_rows = cute.size(lse)
@@ -184,37 +187,40 @@ def merge_parts(split: SplitTail, workspace, acc_o: cute.Tensor, lse: cute.Tenso
     w_part = cute.make_rmem_tensor_like(lse, Float32)
     first = split.worker_of(t * split.blocks)
     last = split.worker_of((t + 1) * split.blocks - 1)
-    for w in cutlass.range(first, last + 1, unroll=1):
-        if w != split.worker:
-            base = ((w * cluster_m + rank) * SPLIT_TAIL_SLOTS + split.slot_of(w, t)) * words
-            for k in cutlass.range_constexpr(n_o):
-                part[k] = partials[base + k * num_threads + tidx]
-            for r in cutlass.range_constexpr(n_rows):
-                other = Float32(partials[base + (n_o + r) * num_threads + tidx])
-                high = cutlass.max(lse[r], other)
-                if high == -Float32.inf:  # neither part saw a key of this row: O stays 0, the LSE -inf
-                    w_own[r] = Float32(1.0)
-                    w_part[r] = Float32(0.0)
-                else:
-                    a = cute.math.exp2((lse[r] - high) * log2_e, fastmath=True)
-                    b = cute.math.exp2((other - high) * log2_e, fastmath=True)
-                    total = a + b
-                    w_own[r] = a / total
-                    w_part[r] = b / total
-                    lse[r] = high + cute.math.log2(total, fastmath=True) / log2_e
-            rescale_rows(acc_o, w_own)
-            rescale_rows(part, w_part)
-            o_rows, p_rows = rows_view(acc_o), rows_view(part)
-            for r in cutlass.range_constexpr(n_rows):
-                o_rows[r, None].store(o_rows[r, None].load() + p_rows[r, None].load())
-
+    base = ((first * cluster_m + rank) * SPLIT_TAIL_SLOTS + split.slot_of(first, t)) * words
+    for k in cutlass.range_constexpr(n_o):
+        acc_o[k] = partials[base + k * num_threads + tidx]
+    for r in cutlass.range_constexpr(n_rows):
+        lse[r] = partials[base + (n_o + r) * num_threads + tidx]
+    for w in cutlass.range(first + 1, last + 1, unroll=1):
+        base = ((w * cluster_m + rank) * SPLIT_TAIL_SLOTS + split.slot_of(w, t)) * words
+        for k in cutlass.range_constexpr(n_o):
+            part[k] = partials[base + k * num_threads + tidx]
+        for r in cutlass.range_constexpr(n_rows):
+            other = Float32(partials[base + (n_o + r) * num_threads + tidx])
+            high = cutlass.max(lse[r], other)
+            if high == -Float32.inf:  # neither part saw a key of this row: O stays 0, the LSE -inf
+                w_own[r] = Float32(1.0)
+                w_part[r] = Float32(0.0)
+            else:
+                a = cute.math.exp2((lse[r] - high) * log2_e, fastmath=True)
+                b = cute.math.exp2((other - high) * log2_e, fastmath=True)
+                total = a + b
+                w_own[r] = a / total
+                w_part[r] = b / total
+                lse[r] = high + cute.math.log2(total, fastmath=True) / log2_e
+        rescale_rows(acc_o, w_own)
+        rescale_rows(part, w_part)
+        o_rows, p_rows = rows_view(acc_o), rows_view(part)
+        for r in cutlass.range_constexpr(n_rows):
+            o_rows[r, None].store(o_rows[r, None].load() + p_rows[r, None].load())
 
 
 @cute.jit
 def publish_sums(piece: TailPiece, workspace, flag: cute.Tensor, frags: tuple, tidx: Int32,
                  barrier_id: cutlass.Constexpr[int], num_threads: cutlass.Constexpr[int]) -> Int32:
     """A part of a cut backward tile: publish its dK and dV sums (`frags`), count it in, and return 1 in every
-    consumer thread if it came last (it then adds the others, `add_parts`, and stores), else 0."""
+    consumer thread if it came last (it then adds all parts, `add_parts`, and stores), else 0."""
     arrivals, partials = workspace
     publish(partials, piece.slot(piece.part) * _slot_words(frags, num_threads), frags, tidx, num_threads)
     return arrive(arrivals, lambda: (piece.t, piece.parts), flag, tidx, barrier_id, num_threads)
@@ -222,18 +228,28 @@ def publish_sums(piece: TailPiece, workspace, flag: cute.Tensor, frags: tuple, t
 
 @cute.jit
 def add_parts(piece: TailPiece, workspace, frags: tuple, tidx: Int32, num_threads: cutlass.Constexpr[int]):
-    """The last part of a cut backward tile: add every other part's published sums into this thread's fragments."""
+    """The last part of a cut backward tile: sum every part's published dK and dV, this one's included, in part
+    order into this thread's fragments, so the sums have the same bits whichever part arrived last."""
     _, partials = workspace
     words = _slot_words(frags, num_threads)
-    for j in cutlass.range(piece.parts, unroll=1):
-        if j != piece.part:
-            base = piece.slot(j) * words
-            offset = 0
-            for f in cutlass.range_constexpr(len(frags)):
-                frag = frags[f]
-                for k in cutlass.range_constexpr(cute.size(frag)):
-                    frag[k] = frag[k] + partials[base + (offset + k) * num_threads + tidx]
-                offset += cute.size(frag)
+    _read_slot(partials, piece.slot(0) * words, frags, tidx, num_threads, False)
+    for j in cutlass.range(1, piece.parts, unroll=1):
+        _read_slot(partials, piece.slot(j) * words, frags, tidx, num_threads, True)
+
+
+@cute.jit
+def _read_slot(partials: cute.Tensor, base: Int32, frags: tuple, tidx: Int32, num_threads: cutlass.Constexpr[int],
+               add: cutlass.Constexpr[bool]):
+    """This thread's elements of the slot at `base` (laid out as `publish` writes them) into `frags`, or with `add`
+    added to them."""
+    offset = 0
+    for f in cutlass.range_constexpr(len(frags)):
+        frag = frags[f]
+        for k in cutlass.range_constexpr(cute.size(frag)):
+            value = partials[base + (offset + k) * num_threads + tidx]
+            frag[k] = frag[k] + value if add else value
+        offset += cute.size(frag)
+
 
 def _where(cond, a, b):
     """`a if cond else b` for DSL values in a kernel, and for Python ints (the host-side tests of the partition)."""

@@ -112,6 +112,34 @@ def test_deterministic_mode_repeats_bitwise(sparse, D):
 
 
 @needs_hopper
+def test_deterministic_mode_repeats_bitwise_through_the_forward_split_tail():
+    """Dense keys of at least `SPLIT_TAIL_MIN_MEAN_KV_BLOCKS` blocks run the forward's split tail by default (its
+    cut tiles merged by whichever part arrives last): the output, and so the gradients, still repeat bitwise."""
+    from flexlab.runtime import launch
+    from flexlab.runtime.compile import KernelMods
+    Sq, Skv = 2048, 8300
+    if not launch.config_for(128, False, KernelMods(), Skv,
+                             num_sms=torch.cuda.get_device_properties(0).multi_processor_count).split_tail:
+        pytest.skip("the forward runs no split tail at these lengths on this GPU")
+    q, k, v = random_qkv(1, 4, Sq, Skv, 128, torch.bfloat16, "cuda", Hkv=2, requires_grad=True)
+    dout = torch.randn(1, 4, Sq, 128, device="cuda", dtype=torch.bfloat16)
+    outs, runs = [], []
+    for _ in range(5):
+        for t in (q, k, v):
+            t.grad = None
+        out = differentiable_attention(q, k, v, None, None, enable_gqa=True, deterministic=True)
+        out.backward(dout)
+        outs.append(out.detach().clone())
+        runs.append([t.grad.clone() for t in (q, k, v)])
+    for i in range(1, 5):
+        assert torch.equal(outs[i], outs[0]), "the forward output differs between runs"
+        for n, a, b in zip(("dq", "dk", "dv"), runs[i], runs[0]):
+            assert torch.equal(a, b), f"{n} differs between runs"
+    for n, a, b in zip(("dq", "dk", "dv"), runs[0], _reference_grads(q, k, v, None, None, [], dout, True)):
+        assert rel_l2(a, b) < GRAD_TOL, n
+
+
+@needs_hopper
 @pytest.mark.parametrize("D,sparse", [(128, None), (64, None), (128, "causal"), (128, "window"), (64, "documents")])
 def test_persistent_ctas_match_one_tile_per_cta(D, sparse, monkeypatch):
     """Persistent CTAs (`BwdConfig.persistent_ctas`: KV tiles claimed from a counter, dK and dV staged in the dS
@@ -246,6 +274,8 @@ def test_split_tail_matches_whole_tiles(D, score, parts, monkeypatch):
     monkeypatch.setattr(bwd_config, "split_parts", lambda tiles, workers, steps: parts)
     bwd_launch._PLANS.clear()  # (plans are cached per signature, not per SM count or cut)
     split = _backward(q, k, v, score_mod, None, trainable, dout, True)
+    again = _backward(q, k, v, score_mod, None, trainable, dout, True)
+    assert torch.equal(split[1], again[1]) and torch.equal(split[2], again[2]), "dK, dV of cut tiles not repeatable"
     plan = next(reversed(bwd_launch._PLANS.values()))
     tiles = 2 * 2 * -(-Skv // plan.cfg.tile_n)  # (9 tiles of 128 keys per head; 18 of 64 at D=256)
     assert plan.tail is not None and plan.tail[:3] == (tiles - tiles % 5, parts, tiles % 5), "no cut last wave"
@@ -264,7 +294,8 @@ def test_split_tail_matches_whole_tiles(D, score, parts, monkeypatch):
 @needs_hopper
 def test_long_dense_keys_cut_the_last_wave_by_default(monkeypatch):
     """B4 H16 S4k at D=128: 2048 KV tiles on the H200's 132 SMs leave 68 for a 16th wave, which the launcher cuts
-    (`bwd_config.split_parts`); the gradients equal the whole tiles' within fp32 reordering, run after run."""
+    (`bwd_config.split_parts`); the gradients equal the whole tiles' within fp32 reordering, and dK and dV repeat
+    bitwise run after run (dQ's atomics add in the order they land)."""
     from dataclasses import replace
 
     from flexlab.kernels import bwd_config, bwd_launch
@@ -283,6 +314,8 @@ def test_long_dense_keys_cut_the_last_wave_by_default(monkeypatch):
     for n, a, b, c in zip(("dq", "dk", "dv"), runs[0], runs[1], whole):
         assert not torch.isnan(a).any(), f"NaN in {n}"
         assert rel_l2(a, b) < 1e-4 and rel_l2(a, c) < 1e-4, n  # (fp32 sums in the order parts and tiles land)
+    # dK and dV of a cut tile are added in part order whichever part finishes last: the same bits run after run
+    assert torch.equal(runs[0][1], runs[1][1]) and torch.equal(runs[0][2], runs[1][2])
 
 
 @needs_hopper
