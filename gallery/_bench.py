@@ -31,7 +31,7 @@ def bench_variant(variant, B: int, H: int, S: int, D: int, dtype: str, device: t
     import flexlab
     from flexlab.bench.check import compare, reference
     from flexlab.bench.density import mask_density
-    from flexlab.bench.rows import MATMUL_CEILING_TFLOPS, attention_flops
+    from flexlab.bench.rows import attention_flops
     from flexlab.bench.timing import measure
     from flexlab.testing import random_qkv
 
@@ -72,7 +72,6 @@ def bench_variant(variant, B: int, H: int, S: int, D: int, dtype: str, device: t
                     timing = measure(call, device, warmup_ms, rep_ms)
                     result["wall_ms"] = timing.wall_ms
                     result["tflops"] = flops / (timing.wall_ms * 1e9)
-                    result["roof_pct"] = 100.0 * result["tflops"] / MATMUL_CEILING_TFLOPS
                     if timing.kernel_ms is not None:
                         result["kernel_ms"] = timing.kernel_ms
         except Exception as err:  # noqa: BLE001 - one backend's failure is a result, not the end of the run
@@ -96,7 +95,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--time-budget", type=float, default=None, help="seconds after which no new row starts")
     parser.add_argument("--quick", action="store_true", help="B1 H2 S256 D64 and short timing: checks the script")
     args = parser.parse_args(argv)
-    from flexlab.bench.report import document, environment, write_json
+    from flexlab.bench.report import apply_roof, document, environment, write_json
+    from flexlab.bench.roof import matmul_ceiling
     from flexlab.gallery import load_gallery
 
     if args.quick:
@@ -110,7 +110,8 @@ def main(argv=None) -> dict:
     settings = {"warmup_ms": args.warmup_ms, "rep_ms": args.rep_ms, "backends": list(BACKENDS),
                 "quick": args.quick, "script": "gallery/_bench.py"}
     rows: list[dict] = []
-    doc = document(environment(device), settings, rows)
+    env = environment(device)
+    doc = document(env, settings, rows, matmul_ceiling(env, device))
     start = time.perf_counter()
     for name in names:
         if args.time_budget is not None and time.perf_counter() - start > args.time_budget:
@@ -121,6 +122,7 @@ def main(argv=None) -> dict:
         if row is None:
             print(f"{name}: S={args.S} breaks its rule ({gallery[name].lengths_rule}); skipped", flush=True)
             continue
+        apply_roof(row, doc["matmul_ceiling_tflops"])
         rows.append(row)
         cells = [f"{b} {r['wall_ms']:.3f} ms" if "wall_ms" in r else f"{b} {r['status']}"
                  for b, r in row["results"].items()]

@@ -165,7 +165,7 @@ def latest_results(results_dir: Path) -> dict[str, list[dict]]:
     A row names the variants it uses in ``mods`` (e.g. ``"gallery:softcap(cap=20) + gallery:causal"``), so a
     combined row is listed under each of them.
     """
-    merged: dict[str, dict] = {}  # row name -> {"row": row, "results": {backend: (stamp, result)}, ...}
+    merged: dict[tuple, dict] = {}  # (gpu, row name) -> {"row": row, "results": {backend: (stamp, result)}, ...}
     for path in result_files(results_dir):
         try:
             data = read_json(path)
@@ -178,8 +178,8 @@ def latest_results(results_dir: Path) -> dict[str, list[dict]]:
         for row in data.get("rows", []):
             if not isinstance(row, dict) or not row.get("name"):
                 continue
-            entry = merged.setdefault(row["name"], {"row": row, "results": {}, "gpu": env.get("gpu", ""),
-                                                    "files": set()})
+            gpu = env.get("gpu", "")  # a row measured on two GPUs is two rows: numbers of one GPU never mix
+            entry = merged.setdefault((gpu, row["name"]), {"row": row, "results": {}, "gpu": gpu, "files": set()})
             for backend, result in (row.get("results") or {}).items():
                 held = entry["results"].get(backend)
                 measured = result.get("status") == "ok"
@@ -188,7 +188,7 @@ def latest_results(results_dir: Path) -> dict[str, list[dict]]:
                     entry["results"][backend] = (stamp, result)
                     entry["files"].add(path.name)
     rows: dict[str, list[dict]] = {}
-    for name, entry in sorted(merged.items()):
+    for _, entry in sorted(merged.items()):
         row = entry["row"]
         names = set(_GALLERY_REF.findall(str(row.get("mods", "")))) | {
             _ROW_ALIASES.get(row.get("variant"), row.get("variant"))}
@@ -219,11 +219,14 @@ def _numbers_table(rows: list[dict]) -> str:
     backends = []
     for row in rows:
         backends += [b for b in row.get("results", {}) if b not in backends]
+    gpus = sorted({row["_gpu"] for row in rows if row.get("_gpu")})
     head = "".join(f"<th>{html.escape(b)}</th>" for b in backends)
-    body = "".join(f"<tr><td>{html.escape(row.get('name', ''))}</td>"
+
+    def label(row):  # rows of several GPUs on one card say which GPU they ran on
+        return row.get("name", "") + (f" ({row['_gpu']})" if len(gpus) > 1 and row.get("_gpu") else "")
+    body = "".join(f"<tr><td>{html.escape(label(row))}</td>"
                    + "".join(_cell(row["results"][b]) if b in row["results"] else "<td></td>" for b in backends)
                    + "</tr>" for row in rows)
-    gpus = sorted({row["_gpu"] for row in rows if row.get("_gpu")})
     files = sorted({f for row in rows for f in row["_file"].split(", ") if f})
     return (f"<p class='muted'>Latest measurements ({html.escape(', '.join(gpus) or 'GPU')}; "
             f"{html.escape(', '.join(files))}); hover a cell for its error vs float64 or why it is n/a.</p>"

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from .rows import MATMUL_CEILING_TFLOPS, ROW_SETS
+from .roof import MATMUL_CEILING_TFLOPS
+from .rows import ROW_SETS
 
 SCHEMA_VERSION = 1
 # Backends that are not competitors: flexlab itself, and the dense reference used in tests.
@@ -99,9 +100,18 @@ def summarize_row(record: dict) -> None:
         det["wall_ms"] / ours["wall_ms"] if ours.get("status") == "ok" and det.get("status") == "ok" else None)
 
 
-def document(env: dict, settings: dict, rows: list[dict]) -> dict:
+def document(env: dict, settings: dict, rows: list[dict], ceiling: tuple[float, str] | None = None) -> dict:
+    """A result document; `ceiling`: (roof TFLOP/s, its basis) from `roof.matmul_ceiling` (default: the H200's)."""
+    tflops, basis = ceiling or (MATMUL_CEILING_TFLOPS, "the H200's sustained bf16 matmul rate")
     return {"schema": SCHEMA_VERSION, "environment": env, "settings": settings,
-            "matmul_ceiling_tflops": MATMUL_CEILING_TFLOPS, "rows": rows}
+            "matmul_ceiling_tflops": tflops, "matmul_ceiling_basis": basis, "rows": rows}
+
+
+def apply_roof(record: dict, ceiling_tflops: float) -> None:
+    """Each timed result of row `record` as a percentage of the roof (`roof_pct`, by wall-clock TFLOP/s)."""
+    for result in record.get("results", {}).values():
+        if result.get("tflops") is not None:
+            result["roof_pct"] = 100.0 * result["tflops"] / ceiling_tflops
 
 
 def write_json(doc: dict, path: str | os.PathLike) -> None:
@@ -217,6 +227,10 @@ def merge_documents(docs: list[dict]) -> dict:
     """
     if not docs:
         raise ValueError("merge_documents needs at least one document")
+    gpus = {doc.get("environment", {}).get("gpu") for doc in docs} - {None}
+    if len(gpus) > 1:
+        raise ValueError(f"merge_documents: these runs are from different GPUs ({', '.join(sorted(gpus))}); "
+                         "one table compares backends on one GPU")
     rows: dict[str, dict] = {}
     for doc in docs:
         stamp = doc.get("environment", {}).get("date_utc")
@@ -234,7 +248,10 @@ def merge_documents(docs: list[dict]) -> dict:
     # The issue's row order (forward, then forward+backward) where a row is one of the default rows.
     order = {row.name: i for i, row in enumerate(ROW_SETS["all"])}
     ordered = sorted(rows.values(), key=lambda rec: order.get(rec["name"], len(order)))
-    merged = document(docs[0]["environment"], docs[0].get("settings", {}), ordered)
+    first = docs[0]
+    ceiling = ((first["matmul_ceiling_tflops"], first.get("matmul_ceiling_basis", ""))
+               if "matmul_ceiling_tflops" in first else None)
+    merged = document(first["environment"], first.get("settings", {}), ordered, ceiling)
     merged["runs"] = [d["environment"] for d in docs]
     return merged
 

@@ -10,10 +10,6 @@ from dataclasses import dataclass, replace
 
 import torch
 
-# Dense bf16 matmul ceiling of one H200 (SXM, 989 TFLOP/s nominal; about 790 sustained), the roof every row is
-# compared against.
-MATMUL_CEILING_TFLOPS = 790.0
-
 FWD, FWD_BWD = "fwd", "fwd+bwd"
 # Backward does 2.5x the forward's matmul work (recompute S, then dP, dS·K, dSᵀ·Q, Pᵀ·dO).
 PASS_FLOP_FACTOR = {FWD: 1.0, FWD_BWD: 3.5}

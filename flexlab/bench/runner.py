@@ -20,8 +20,9 @@ from ..errors import BackendUnavailableError
 from . import check, peers
 from .cases import build_case
 from .density import mask_density
-from .report import document, format_row, summarize_row, write_json, environment
-from .rows import MATMUL_CEILING_TFLOPS, FWD_BWD, Row
+from .report import apply_roof, document, format_row, summarize_row, write_json, environment
+from .roof import matmul_ceiling
+from .rows import FWD_BWD, Row
 from .timing import measure, measure_interleaved
 
 
@@ -137,7 +138,6 @@ def timed_record(name: str, record: dict, timing, flops: float) -> dict:
     record["kernel_ms"] = timing.kernel_ms
     record["tflops"] = flops / (timing.wall_ms * 1e-3) / 1e12
     record["tflops_kernel"] = flops / (timing.kernel_ms * 1e-3) / 1e12 if timing.kernel_ms else None
-    record["roof_pct"] = 100.0 * record["tflops"] / MATMUL_CEILING_TFLOPS
     record["kernels"] = [[n, round(ms, 4)] for n, ms in timing.kernels]
     if timing.wall_rounds:
         record["wall_ms_rounds"] = [round(x, 4) for x in timing.wall_rounds]
@@ -246,7 +246,8 @@ def run(rows: list[Row], settings: Settings, device: torch.device, json_path=Non
     """
     configure_dynamo()
     deadline = None if settings.time_budget_s is None else time.monotonic() + settings.time_budget_s
-    doc = document(environment(device), {k: v for k, v in asdict(settings).items()}, [])
+    env = environment(device)
+    doc = document(env, {k: v for k, v in asdict(settings).items()}, [], matmul_ceiling(env, device))
     saved = {r["name"]: r for r in (resume or {}).get("rows", [])}
     for row in rows:
         prior = saved.get(row.name, {})
@@ -265,6 +266,7 @@ def run(rows: list[Row], settings: Settings, device: torch.device, json_path=Non
                       "error": _error_text(err), "results": {}}
             log(f"{row.name}: {record['error']}")
         else:
+            apply_roof(record, doc["matmul_ceiling_tflops"])
             log(format_row(record))
         doc["rows"].append(record)
         if json_path:

@@ -108,3 +108,30 @@ def test_committed_results_are_compressed_and_readable():
             assert isinstance(read_json(path), (dict, list)), path.name
         else:
             assert gzip.decompress(path.read_bytes()).strip(), path.name
+
+
+def test_merge_refuses_runs_from_different_gpus():
+    import pytest
+    h100 = {"environment": {"date_utc": "t1", "gpu": "NVIDIA H100 80GB HBM3"}, "rows": [_row("a", sdpa=_ok(1.0))]}
+    h200 = {"environment": {"date_utc": "t2", "gpu": "NVIDIA H200"}, "rows": [_row("a", flexlab=_ok(0.9))]}
+    with pytest.raises(ValueError, match="different GPUs"):
+        merge_documents([h100, h200])
+    assert merge_documents([h100, {**h100, "rows": [_row("a", flexlab=_ok(0.9))]}])["rows"][0]["results"].keys() == {
+        "sdpa", "flexlab"}
+
+
+def test_roof_is_the_gpu_s_own():
+    import torch
+
+    from flexlab.bench.report import apply_roof, document
+    from flexlab.bench.roof import known_ceiling, matmul_ceiling
+    assert known_ceiling("NVIDIA H200") == 790.0 and known_ceiling("NVIDIA H100 80GB HBM3") == 720.0
+    assert known_ceiling("NVIDIA A100-SXM4-80GB") is None and known_ceiling(None) is None
+    tflops, basis = matmul_ceiling({"gpu": "NVIDIA H100 80GB HBM3"}, torch.device("cuda"))
+    assert tflops == 720.0 and "H100" in basis
+    tflops, basis = matmul_ceiling({}, torch.device("cpu"))  # no GPU: the H200's, and said so
+    assert tflops == 790.0 and "no GPU" in basis
+    doc = document({}, {}, [], (720.0, basis))
+    rec = _row(flexlab=_ok(1.0, tflops=360.0), sdpa={"status": "n/a"})
+    apply_roof(rec, doc["matmul_ceiling_tflops"])
+    assert rec["results"]["flexlab"]["roof_pct"] == 50.0 and "roof_pct" not in rec["results"]["sdpa"]

@@ -7,7 +7,6 @@ import struct
 import zlib
 from pathlib import Path
 
-import pytest
 import torch
 
 from flexlab.gallery import get_variant
@@ -59,9 +58,9 @@ def test_score_picture_for_a_score_variant():
 
 
 def test_latest_results_merge_files_and_fill_the_card(tmp_path):
-    def write(name, date, rows, **doc):
+    def write(name, date, rows, gpu="H200", **doc):
         doc = doc or {"schema": 1}
-        (tmp_path / name).write_text(json.dumps({"environment": {"date_utc": date, "gpu": "H200"}, "rows": rows,
+        (tmp_path / name).write_text(json.dumps({"environment": {"date_utc": date, "gpu": gpu}, "rows": rows,
                                                  **doc}))
 
     row = "fwd softcap_causal B1 S1k"
@@ -88,6 +87,15 @@ def test_latest_results_merge_files_and_fill_the_card(tmp_path):
     assert "0.123 ms" in card and "456 TFLOPS" in card and "0.500 ms" in card and "cannot express it" in card
     assert card.count("data:image/png;base64,") == 1 and "def generate_softcap" in card and "score_mod(s)" in card
     assert "No GPU measurement" in render.render_card(v, {}, [])
+    # a later run on another GPU is a row of its own, never merged into the H200's
+    h100 = {"flexlab": {"status": "ok", "wall_ms": 0.2, "tflops": 280.0, "rel_l2": {"out": 2e-3}}}
+    write("e_h100.json", "2026-05-01", [{"name": row, "variant": "softcap_causal", "mods": mods, "results": h100}],
+          gpu="H100")
+    listed = render.latest_results(tmp_path)["softcap"]
+    by_gpu = {r["_gpu"]: r["results"] for r in listed}
+    assert by_gpu["H200"]["flexlab"]["wall_ms"] == 0.123 and by_gpu["H100"]["flexlab"]["wall_ms"] == 0.2
+    card = render.render_card(v, render.variant_pictures(v), listed)
+    assert f"{row} (H100)" in card and f"{row} (H200)" in card
 
 
 def test_committed_page_lists_every_variant():
