@@ -7,7 +7,7 @@ BLOCK_SIZE=128 and `tile_n` is 128 (64 at D=256), so one mask built at that size
 supported head dim (`shares_block_mask_with_forward`); without one, D=128 steps 80 rows (`DENSE_TILE_M`).
 
 The boolean fields are speed options; each setting is a separate compiled kernel, and
-`tests/kernels/bwd_perf_sweep.py` times and checks every candidate against the default on the H200. The default
+`benchmarks/probes/bwd_perf_sweep.py` times and checks every candidate against the default on the H200. The default
 turns on `stats_in_smem`, `dq_warp`, `dk_after_dq` (below) and (outside deterministic mode) `kv_tiles_first`. The
 first and last together made the main kernel 1.16-1.66x faster on every swept row (D=64 and 128, dense, causal,
 sliding window, soft-cap; benchmarks/results/bwd_sweep_h200_2026-11-30.json.gz). `default_bwd_config` picks `tile_m` per
@@ -449,8 +449,8 @@ def shares_block_mask_with_forward(head_dim: int, block_size: int = 128) -> bool
 
 def candidate_bwd_configs(head_dim: int, deterministic: bool = False, mod_grads: bool = False,
                           q_block: int | None = None, num_sms: int = H200_SMS) -> dict[str, BwdConfig]:
-    """Named configurations the GPU sweep (`tests/kernels/bwd_perf_sweep.py`) compares with the default of that mode:
-    the other CTA order, LSE2/D from global memory, each other option flipped, and at D=64 the other Q step and dQ
+    """Named configurations the GPU sweep (`benchmarks/probes/bwd_perf_sweep.py`) compares with the default of that
+    mode: the other CTA order, LSE2/D from global memory, each other option flipped, and at D=64 the other Q step and dQ
     split. (The former `combined` candidate, dK after dQ with a third stage or 128-row steps, became the default or
     `stages3` once dK after dQ was the default.) `q_block`: the block mask's Q block size, None without one (the
     default differs: `default_bwd_config`). Options that do not fit

@@ -10,7 +10,7 @@ per head dim (`default_config`) were measured on an H200 (bf16, H=16, dense; TFL
            192x128, 2 / 4 stg    B4·S4k 465 / 471-496;  128x128: 430;  ping-pong off: 444-449
 
 Candidate options (`FwdConfig` fields, off by default) and selection knobs (module constants, at the measured
-defaults) exist so one H200 run can decide on them: `tests/kernels/fwd_perf_sweep.py` times each against the default
+defaults) exist so one H200 run can decide on them: `benchmarks/probes/fwd_perf_sweep.py` times each against the default
 on the benchmark rows, float64-checked, next to debug builds with one stage removed (`FwdConfig.ablate`). Adopting an
 option means changing `default_config` or a knob here, with the sweep's numbers in this table.
 """

@@ -3,7 +3,7 @@ spills and keep the synchronisation checks of test_bwd_sync, each turned away fr
 stats_in_smem and kv_tiles_first on).
 
 A few compiles per option (the full matrix is tests/kernels/bwd_option_report.py); which option is faster, and
-whether its gradients are right, is decided on the H200 by tests/kernels/bwd_perf_sweep.py.
+whether its gradients are right, is decided on the H200 by benchmarks/probes/bwd_perf_sweep.py.
 """
 from __future__ import annotations
 

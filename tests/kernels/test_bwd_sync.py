@@ -306,7 +306,7 @@ def test_triage_script_reports_a_hang_instead_of_going_silent(tmp_path):
     import subprocess
     import sys
     from pathlib import Path
-    script = Path(__file__).with_name("bwd_triage.py")
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "probes" / "bwd_triage.py"
     out = tmp_path / "triage.json"
     res = subprocess.run([sys.executable, str(script), "--out", str(out), "--groups", "selftest-hang",
                           "--case-timeout", "3"], capture_output=True, text=True, timeout=60)

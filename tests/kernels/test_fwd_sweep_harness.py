@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-SCRIPT = os.path.join(os.path.dirname(__file__), "fwd_perf_sweep.py")
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "probes", "fwd_perf_sweep.py")
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """H200 probe of the host cost of a flexlab training step: wall clock vs summed kernel time, and one backward's host time.
 
-Usage: python tests/kernels/bwd_host_probe.py OUT.json   (not a test; run on the GPU machine)
+Usage: python benchmarks/probes/bwd_host_probe.py OUT.json   (not a test; run on the GPU machine)
 
 Per shape, with backend="cute" (forward kernel + the three backward kernels):
   wall_ms             median fwd+bwd step (triton do_bench; gradients reset every call): what a step waits for;

@@ -1,6 +1,6 @@
 """H200 probe: the dense D=256 forward at one KV tile width, through the public API (not collected by pytest).
 
-    . .deps/activate.sh && python3 tests/kernels/fwd_d256_tile_probe.py TILE_N OUT_DIR
+    . .deps/activate.sh && python3 benchmarks/probes/fwd_d256_tile_probe.py TILE_N OUT_DIR
 
 Runs flexlab's forward with `default_config` answering (128, TILE_N, 2 stages) for dense D=256, checks one (batch,
 head) block against fp32 SDPA (rel-L2) and times the call (median of `triton.testing.do_bench`, wall time of the

@@ -1,6 +1,6 @@
 """H200 probe: which Q tile the D=64 forward should use once a mask's partial blocks are stored bits.
 
-    . .deps/activate.sh && python3 tests/kernels/mask_bits_tile_probe.py OUT.json
+    . .deps/activate.sh && python3 benchmarks/probes/mask_bits_tile_probe.py OUT.json
 
 Masks that read captured tensors used to take 128-row tiles at D=64 (evaluating them at 192 rows spilled); read from
 stored bits they compile without spills at 192 rows too. For the benchmark's document mask (8 documents, H=16, bf16)

@@ -1,7 +1,7 @@
 """Small backward cases through flexlab's custom ops, for compute-sanitizer:
 
-    compute-sanitizer --tool memcheck --report-api-errors no python tests/kernels/bwd_memcheck.py
-    compute-sanitizer --tool racecheck python tests/kernels/bwd_memcheck.py   (shared-memory hazards)
+    compute-sanitizer --tool memcheck --report-api-errors no python benchmarks/probes/bwd_memcheck.py
+    compute-sanitizer --tool racecheck python benchmarks/probes/bwd_memcheck.py   (shared-memory hazards)
 
 (`--report-api-errors no`: the CUDA driver bindings probe optional entry points with cuGetProcAddress, which the
 sanitizer otherwise lists as errors although no kernel touched memory out of bounds.)

@@ -1,9 +1,9 @@
 """H200 probe of one kernel option (a boolean `BwdConfig` field, or with --forward a `FwdConfig` field; not a test):
 forward + backward per call with the field as the launcher sets it and flipped, in turns, on benchmark rows.
 
-    python tests/kernels/option_probe.py OUT.json --field chained_launch [--forward [--forward-only]]
+    python benchmarks/probes/option_probe.py OUT.json --field chained_launch [--forward [--forward-only]]
         [--rounds 11] [--rows 0,1,5]
-    python tests/kernels/option_probe.py OUT.json --knob DYNAMIC_MAX_MEAN_KV_BLOCKS=1000 --forward --forward-only
+    python benchmarks/probes/option_probe.py OUT.json --knob DYNAMIC_MAX_MEAN_KV_BLOCKS=1000 --forward --forward-only
 
 (--knob: a policy knob of `kernels.config` / `kernels.bwd_config` set to a value instead of a field flipped.)
 

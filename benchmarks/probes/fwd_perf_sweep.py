@@ -1,6 +1,6 @@
 """One H200 run that says where the forward kernel's time goes and which candidate option wins. One command:
 
-    . .deps/activate.sh && python3 tests/kernels/fwd_perf_sweep.py OUT.json --budget 480
+    . .deps/activate.sh && python3 benchmarks/probes/fwd_perf_sweep.py OUT.json --budget 480
 
 For the forward benchmark rows (`flexlab.bench.rows`, "fwd-default"; the short and masked rows first, so a budget cut
 keeps the rows the issue asks about; `--rows D64` adds the D=64 document rows of `extra_rows`) it times, kernel by

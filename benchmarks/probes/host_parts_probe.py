@@ -1,6 +1,6 @@
 """H200 probe: where one warm forward call's host time goes, layer by layer, next to torch's own attention calls.
 
-Usage: python tests/kernels/host_parts_probe.py OUT.json   (not a test; run on the GPU machine)
+Usage: python benchmarks/probes/host_parts_probe.py OUT.json   (not a test; run on the GPU machine)
 
 Each entry is timed two ways on a tiny shape (B=1, H=2, S=512, D=128, bf16; the kernels take a few microseconds):
 

@@ -1,7 +1,7 @@
 """H200 probe: host time of one training step, split into the forward call and the backward call, for flexlab and
 for FA4 on the same inputs (tiny shapes, so the GPU never holds the host back).
 
-Usage: python tests/kernels/train_host_probe.py OUT.json   (not a test; run on the GPU machine)
+Usage: python benchmarks/probes/train_host_probe.py OUT.json   (not a test; run on the GPU machine)
 
 Per variant: `fwd` is the forward call with gradients wanted (kernels queued, not waited for), `bwd` the
 `out.backward(dout)` that follows it, `step` both plus the gradient reset, each the median host time over many

@@ -1,7 +1,7 @@
 """H200 probe of the backward's cut last wave (`bwd_config.split_parts`; not a test): the backward per call with the
 last wave whole, as the launcher cuts it, and cut into a fixed number of parts, in turns.
 
-    python tests/kernels/bwd_cut_wave_probe.py OUT.json [--rounds 15]
+    python benchmarks/probes/bwd_cut_wave_probe.py OUT.json [--rounds 15]
 
 Each sample times 8 backward calls with CUDA events (pre- and postprocess included, so the whole tiles' kernel, the
 parts' kernel and the launches between them are all counted); the variants take turns in a rotated order, and the

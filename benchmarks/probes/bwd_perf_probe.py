@@ -1,6 +1,6 @@
 """H200 probe of the backward: TFLOP/s of the three backward kernels, the cost of deterministic mode, and peers.
 
-Usage: python tests/kernels/bwd_perf_probe.py OUT.json   (not a test; run on the GPU machine)
+Usage: python benchmarks/probes/bwd_perf_probe.py OUT.json   (not a test; run on the GPU machine)
 
 Times only the backward (forward outputs, LSE and dO are prepared once): flexlab's ops with and without
 deterministic=True, and torch's compiled flex_attention backward on the same inputs for reference. FLOPs count the

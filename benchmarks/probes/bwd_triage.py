@@ -1,6 +1,6 @@
 """First run of the Hopper backward on a GPU: which piece works, which hangs, which is wrong. One command:
 
-    python tests/kernels/bwd_triage.py --out bwd_triage.json
+    python benchmarks/probes/bwd_triage.py --out bwd_triage.json
 
 Every group of cases runs in its own subprocess, watched by this one: a case that prints nothing for
 `--case-timeout` seconds (compile included) is reported as a hang and its subprocess is killed, instead of the whole

@@ -1,6 +1,6 @@
 """H200 probe: forward + backward time when captured tensors are learned (not a test; GPU machine only).
 
-    python tests/kernels/aux_grad_probe.py OUT.json [B H S D] [--no-triton]
+    python benchmarks/probes/aux_grad_probe.py OUT.json [B H S D] [--no-triton]
 
 For the gallery's trainable tables (learnable relative bias, T5 buckets, per-head key bias), each with a causal
 block mask: flexlab with the table requiring grad, flexlab on the same mods with a table that needs none (what

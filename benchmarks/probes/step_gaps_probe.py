@@ -1,7 +1,7 @@
 """Where a training step leaves the GPU idle: flexlab's forward + backward against its peers' on the same inputs
 (not a test; GPU machine only).
 
-    python tests/kernels/step_gaps_probe.py OUT.json [variant B S D]     (default: dense 4 4096 128)
+    python benchmarks/probes/step_gaps_probe.py OUT.json [variant B S D]     (default: dense 4 4096 128)
 
 Each backend is prepared and called exactly as the benchmark times it (`flexlab.bench.peers`, `runner._timed_call`:
 fresh gradients, L2 flushed before every call). After warm-up, `STEPS` calls run back to back under torch.profiler.

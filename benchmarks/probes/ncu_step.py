@@ -1,7 +1,7 @@
 """One training step of flexlab and of FA4 on the same inputs, for Nsight Compute (not a test; GPU machine only):
 
     ncu --clock-control none -k regex:'FlexFwdSm90|FlexBwdSm90|ForwardSm90|BackwardSm90' --section SpeedOfLight \
-        --section WarpStateStats ... python tests/kernels/ncu_step.py causal 4 4096 128
+        --section WarpStateStats ... python benchmarks/probes/ncu_step.py causal 4 4096 128
 
 Each backend runs the step twice (the first compiles); profile the second with `--launch-skip`/`--launch-count` or
 keep both. `--forward` (anywhere in the arguments) runs the forward alone, without autograd. The peer (fifth argument) is `fa4` (flash_attn.cute called directly; runs only when it imports and spells

@@ -1,7 +1,7 @@
 """H200 sweep of the backward's speed options: time every candidate configuration against today's default, and
 check each one's gradients, in one command:
 
-    python tests/kernels/bwd_perf_sweep.py OUT.json --budget 480
+    python benchmarks/probes/bwd_perf_sweep.py OUT.json --budget 480
 
 Rows (bf16, H=16, MHA): D=128 dense and causal at B4·S4k and B1·S16k, D=64 dense and causal at B1·S16k, sliding
 window 1024 at B4·S4k (D=128) and B1·S16k (D=64), packed documents of 2000 tokens at B1·S16k (D=64 and 128; the

@@ -1,7 +1,7 @@
 """Small case of every gallery variant (and dense) through backend='cute', for compute-sanitizer:
 
-    compute-sanitizer --tool memcheck --report-api-errors no python tests/kernels/memcheck_variants.py
-    compute-sanitizer --tool memcheck --report-api-errors no python tests/kernels/memcheck_variants.py --split-tail
+    compute-sanitizer --tool memcheck --report-api-errors no python benchmarks/probes/memcheck_variants.py
+    compute-sanitizer --tool memcheck --report-api-errors no python benchmarks/probes/memcheck_variants.py --split-tail
 
 Lengths are not tile multiples, so tail tiles, clamped captured-tensor reads and the TMA clipping are exercised.
 `--split-tail` runs dense cases through the split tail instead (`FwdConfig.split_tail`): few workers with small and

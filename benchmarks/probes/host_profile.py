@@ -1,6 +1,6 @@
 """H200 profile of flexlab's host path: where the microseconds of one call go, per public entry point.
 
-Usage: python tests/kernels/host_profile.py OUT.json OUT.txt   (not a test; run on the GPU machine)
+Usage: python benchmarks/probes/host_profile.py OUT.json OUT.txt   (not a test; run on the GPU machine)
 
 For each case (tiny shapes, so the GPU never holds the host back) and each entry point -- the inference call
 `flexlab.flex_attention`, the forward and backward custom ops exactly as autograd calls them, the backward launch
