@@ -79,6 +79,13 @@ _WARM_TRAIN: dict = {}  # call signature -> autograd.WarmTraining
 _WARM_ENTRIES = 256
 
 
+def forget_warm_calls() -> None:
+    """Drop the warm entries of repeated calls (inference and training), so the next call of each signature is
+    validated and planned again: after a policy knob changed (`runtime.launch.forget_plans`)."""
+    _WARM.clear()
+    _WARM_TRAIN.clear()
+
+
 def _signature(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, backend):
     """Everything `_validate` and the backend choice read from a call, except gradient state and what the mods
     capture (`WarmForward` re-checks those); None for inputs that are not plain tensors. The mods and the block mask

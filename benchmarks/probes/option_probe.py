@@ -81,8 +81,7 @@ class Switch:
         setattr(self.module, self.hook, self.variants[variant])
         bwd_launch._PLANS.clear()
         fwd_launch._PLANS.clear()
-        api._WARM.clear()  # (the warm paths hold their plans)
-        api._WARM_TRAIN.clear()
+        api.forget_warm_calls()  # (the warm paths hold their plans)
 
     def restore(self) -> None:
         setattr(self.module, self.hook, self.launcher)
@@ -108,13 +107,9 @@ class KnobSwitch:
         from flexlab.kernels import bwd_launch
         from flexlab.runtime import launch as fwd_launch
         setattr(self.module, self.name, self.variants[variant])
-        for memo in (fwd_launch._config, fwd_launch._dynamic, fwd_launch._persistent_clusters,
-                     fwd_launch._split_tail, fwd_launch.with_mask_bits, bwd_launch._config):
-            memo.cache_clear()
-        bwd_launch._PLANS.clear()
-        fwd_launch._PLANS.clear()
-        api._WARM.clear()
-        api._WARM_TRAIN.clear()
+        fwd_launch.forget_plans()
+        bwd_launch.forget_plans()
+        api.forget_warm_calls()
 
     @staticmethod
     def configs() -> list:

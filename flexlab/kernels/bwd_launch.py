@@ -27,7 +27,7 @@ import torch
 
 from ..errors import BackendUnavailableError
 from ..runtime.disk_cache import KernelCache, StampedKey, source_fingerprint
-from ..runtime.launch import _sm_count, split_tail_buffers, tile_counter, tma_ready
+from ..runtime.launch import _sm_count, clear_memos, split_tail_buffers, tile_counter, tma_ready
 from . import bwd_config
 from .bwd_config import BwdConfig, default_bwd_config
 
@@ -532,6 +532,13 @@ class _Plan:
 
 _PLANS: "OrderedDict[tuple, _Plan]" = OrderedDict()
 _PLANS_KEPT = 32
+
+
+def forget_plans() -> None:
+    """Drop every memoised backward configuration and plan (compiled kernels stay cached; the source fingerprint
+    stays): what a policy knob of `kernels.bwd_config` changed at run time needs before the next call sees it."""
+    clear_memos(globals(), __name__, frozenset({"bwd_fingerprint"}))
+    _PLANS.clear()
 
 
 def _plan(q, k, entry, block_mask, block_size, deterministic: bool, has_dlse: bool, arch: str) -> _Plan:

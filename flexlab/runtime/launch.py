@@ -49,6 +49,27 @@ _FAST: dict[tuple, tuple] = {}
 _PLANS: dict[tuple, tuple] = {}
 
 
+# Memos of facts no policy knob changes (the toolchain's versions, a device's SM count): `forget_plans` keeps them.
+_STATIC_MEMOS = frozenset({"_static_key_parts", "_sm_count"})
+
+
+def clear_memos(namespace: dict, module: str, keep: frozenset = frozenset()) -> None:
+    """Clear every `lru_cache` defined in `module` (found in its `namespace`, its globals) but those named in `keep`:
+    a memo added later is covered without being listed here."""
+    for name, value in list(namespace.items()):
+        if name not in keep and getattr(value, "__module__", None) == module and hasattr(value, "cache_clear"):
+            value.cache_clear()
+
+
+def forget_plans() -> None:
+    """Drop every memoised forward configuration and scheduling plan (compiled kernels stay cached): what a policy
+    knob of `kernels.config` or `runtime.schedule` changed at run time needs before the next call sees it."""
+    from . import schedule
+    clear_memos(globals(), __name__, _STATIC_MEMOS)
+    clear_memos(vars(schedule), schedule.__name__)
+    _PLANS.clear()
+
+
 def compile_key(mods: KernelMods, dtype: torch.dtype, cfg: FwdConfig, arch: str, sparse: bool,
                 writes_lse: bool = True) -> CompileKey:
     version, ffi = _static_key_parts()

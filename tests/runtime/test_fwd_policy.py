@@ -14,11 +14,11 @@ from flexlab.runtime.compile import KernelMods
 
 @pytest.fixture
 def fresh_policy(monkeypatch):
-    """Each test flips knobs on a clean config cache and leaves the module as it found it."""
-    launch._config.cache_clear()
+    """Each test flips knobs on clean memos and leaves the module as it found it."""
+    launch.forget_plans()
     yield monkeypatch
     monkeypatch.undo()
-    launch._config.cache_clear()
+    launch.forget_plans()
 
 
 @pytest.mark.parametrize("D", [64, 128, 256])
@@ -227,3 +227,36 @@ def test_d256_block_masks_may_take_80_key_tiles(fresh_policy):
     assert cfg.tile_n == 80 and cfg.feasibility_error() is None
     assert backend._mask_reason((128, 128), 256) == ""  # a mask at torch's 128 merges into 80-key tiles
     assert backend._mask_reason((256, 64), 256) == ""  # (any key block size)
+
+
+def _memos(module) -> dict:
+    return {name: f for name, f in vars(module).items()
+            if getattr(f, "__module__", None) == module.__name__ and hasattr(f, "cache_clear")}
+
+
+def test_forget_plans_drops_every_memo_a_knob_reaches_and_keeps_static_facts(fresh_policy):
+    """A knob changed at run time (a probe, a notebook) is seen by the next call: `forget_plans` clears every memo of
+    the launchers and the L2 grouping, found by walking the modules, so a memo added later cannot be missed."""
+    from flexlab.kernels import bwd_launch
+    from flexlab.runtime import schedule
+    mods = KernelMods(mask_mod=lambda *a: None, source_hash="causal")
+    assert launch.config_for(128, True, mods, 16384, num_sms=132, mean_kv_blocks=64.5).dynamic_tiles
+    launch.config_for(128, False, KernelMods(), 16384, num_sms=132, mean_kv_blocks=128.0)
+    schedule.heads_per_group(4096, 128, 2, 1, 64)
+    bwd_launch.config_for(128, False, None, False)
+    launch._static_key_parts()
+    bwd_launch.bwd_fingerprint()
+    filled = {n for m in (launch, schedule, bwd_launch) for n, f in _memos(m).items() if f.cache_info().currsize}
+    assert {"_config", "_dynamic", "heads_per_group"} <= filled and "_static_key_parts" in filled
+    launch.forget_plans()
+    bwd_launch.forget_plans()
+    for module, kept in ((launch, {"_static_key_parts", "_sm_count"}), (schedule, set()),
+                         (bwd_launch, {"bwd_fingerprint"})):
+        for name, memo in _memos(module).items():
+            assert (memo.cache_info().currsize > 0) == (name in kept and name in filled), (module.__name__, name)
+    assert not launch._PLANS and not bwd_launch._PLANS
+    # and a knob flipped now reaches the next plan: long causal tiles without dynamic tiles
+    fresh_policy.setattr(policy, "DYNAMIC_ANY_LENGTH_MAX_HEAD_DIM", 0)
+    fresh_policy.setattr(policy, "DYNAMIC_MAX_MEAN_KV_BLOCKS", 20)
+    launch.forget_plans()
+    assert not launch.config_for(128, True, mods, 16384, num_sms=132, mean_kv_blocks=64.5).dynamic_tiles
