@@ -52,7 +52,7 @@ def test_knob_switch_sets_the_knob_and_drops_memoised_configurations():
         assert switch.configs() == []  # (no launch planned yet)
     finally:
         switch.restore()
-        launch._config.cache_clear()
+        launch.forget_plans()
     assert policy.DYNAMIC_MAX_MEAN_KV_BLOCKS == own
     with pytest.raises(SystemExit, match="no knob"):
         KnobSwitch("NO_SUCH_KNOB", 1, forward=True)

@@ -214,7 +214,7 @@ def test_sliding_window_bands_are_masked_per_row_up_to_d128(fresh_policy):
             assert cfg.feasibility_error() is None
             assert not launch.with_mask_bits(cfg).band_mask  # stored bits replace the band
     fresh_policy.setattr(policy, "BAND_MASK_MAX_HEAD_DIM", 0)  # 0: never
-    launch._config.cache_clear()
+    launch.forget_plans()
     assert not launch.config_for(128, True, kernel_mods["sliding_window"], 4096).band_mask
 
 
