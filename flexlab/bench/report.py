@@ -10,6 +10,7 @@ import gzip
 import json
 import os
 import platform
+import statistics
 import subprocess
 from importlib import metadata
 from pathlib import Path
@@ -87,14 +88,30 @@ def best_peer(results: dict) -> tuple[str | None, float | None]:
     return best
 
 
+def paired_speedup(ours: dict, peer: dict, clock: str = "wall_ms") -> float | None:
+    """The peer's time over flexlab's, round by round, median over the rounds: both timed in the same rounds (one
+    interleaved measurement: the same `measured_utc` and round count), so a GPU clock that drifts between rounds
+    cancels in each round's ratio, where the ratio of the two medians can pick rounds minutes apart. None where the
+    two were not timed together."""
+    mine, theirs = ours.get(f"{clock}_rounds") or [], peer.get(f"{clock}_rounds") or []
+    if (ours.get("status") != "ok" or peer.get("status") != "ok" or len(mine) < 2 or len(mine) != len(theirs)
+            or ours.get("measured_utc") != peer.get("measured_utc") or not all(mine)):
+        return None
+    return statistics.median(t / m for m, t in zip(mine, theirs))
+
+
 def summarize_row(record: dict) -> None:
-    """Add the best peer and flexlab's standing on that row (speedup > 1 means flexlab is faster)."""
+    """Add the best peer and flexlab's standing on that row (speedup > 1 means flexlab is faster): the ratio of the
+    median wall times, and the same ratio paired round by round (`paired_speedup`) for both clocks."""
     name, wall = best_peer(record["results"])
     record["best_peer"] = name
     record["best_peer_wall_ms"] = wall
     ours = record["results"].get("flexlab", {})
     record["flexlab_speedup_vs_best_peer"] = (
         wall / ours["wall_ms"] if wall and ours.get("status") == "ok" else None)
+    peer = record["results"].get(name, {}) if name else {}
+    record["flexlab_paired_speedup_vs_best_peer"] = {
+        clock: paired_speedup(ours, peer, clock) for clock in ("wall_ms", "kernel_ms")} if name else None
     det = record["results"].get("flexlab-deterministic", {})
     record["deterministic_cost"] = (  # wall-clock of deterministic mode over the default, same row
         det["wall_ms"] / ours["wall_ms"] if ours.get("status") == "ok" and det.get("status") == "ok" else None)
@@ -171,8 +188,10 @@ def format_row(record: dict) -> str:
             lines.append(f"  {name:<20}{'':>38}  {status:<8}{_short(note)}")
     if record.get("best_peer"):
         s = record.get("flexlab_speedup_vs_best_peer")
+        paired = (record.get("flexlab_paired_speedup_vs_best_peer") or {}).get("wall_ms")
         lines.append(f"  best peer: {record['best_peer']} {record['best_peer_wall_ms']:.3f} ms"
-                     + (f"; flexlab {s:.2f}x of it" if s else "; flexlab: no result"))
+                     + (f"; flexlab {s:.2f}x of it" if s else "; flexlab: no result")
+                     + (f" ({paired:.2f}x paired by round)" if paired else ""))
     if record.get("deterministic_cost"):
         lines.append(f"  deterministic mode: {record['deterministic_cost']:.2f}x flexlab's default wall time")
     return "\n".join(lines)
@@ -197,17 +216,24 @@ def _short(text: str, width: int = 90) -> str:
 
 def format_summary(rows: list[dict]) -> str:
     """One line per row: the best peer, flexlab, and how far each is from the matmul roof."""
-    out = [f"{'row':<44}{'best peer':<22}{'ms':>9}{'TFLOP/s':>9}{'flexlab ms':>12}{'TFLOP/s':>9}{'vs best':>9}"]
+    w = max([len(rec["name"]) for rec in rows] + [43]) + 1
+    out = [f"{'row':<{w}}{'best peer':<22}{'ms':>9}{'TFLOP/s':>9}{'flexlab ms':>12}{'TFLOP/s':>9}{'vs best':>9}"
+           f"{'paired':>8}"]
     for rec in rows:
         peer = rec.get("best_peer")
         p = rec["results"].get(peer, {}) if peer else {}
         f = rec["results"].get("flexlab", {})
         f_ok = f.get("status") == "ok"
-        out.append(f"{rec['name']:<44}{(peer or '-'):<22}{_num(p.get('wall_ms'), '.3f', 9)}"
+        out.append(f"{rec['name']:<{w}}{(peer or '-'):<22}{_num(p.get('wall_ms'), '.3f', 9)}"
                    f"{_num(p.get('tflops'), '.1f', 9)}{_num(f.get('wall_ms') if f_ok else None, '.3f', 12)}"
                    f"{_num(f.get('tflops') if f_ok else None, '.1f', 9)}"
-                   f"{_num(rec.get('flexlab_speedup_vs_best_peer'), '.2f', 9)}")
+                   f"{_num(rec.get('flexlab_speedup_vs_best_peer'), '.2f', 9)}"
+                   f"{_num(_paired(rec, 'wall_ms'), '.2f', 8)}")
     return "\n".join(out)
+
+
+def _paired(record: dict, clock: str) -> float | None:
+    return (record.get("flexlab_paired_speedup_vs_best_peer") or {}).get(clock)
 
 
 def format_document(doc: dict) -> str:
@@ -275,9 +301,10 @@ def _md_cell(r: dict | None, clock: str) -> str:
 
 def format_markdown(doc: dict, clock: str = "wall_ms") -> str:
     """A Markdown table of one clock ("wall_ms" or "kernel_ms"): ms per call and TFLOP/s in parentheses; the
-    ratio to the best peer (chosen by wall clock) is taken on the table's own clock."""
+    ratio to the best peer (chosen by wall clock) is taken on the table's own clock, as a ratio of medians and paired
+    by round (`paired_speedup`)."""
     header = ["row", "density"] + [label for _, label in _MD_BACKENDS] + ["best peer", "flexlab vs best",
-                                                                          "best % of roof"]
+                                                                          "paired", "best % of roof"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for rec in doc["rows"]:
         results = rec.get("results", {})
@@ -291,6 +318,8 @@ def format_markdown(doc: dict, clock: str = "wall_ms") -> str:
             roof = 100.0 * tk / doc["matmul_ceiling_tflops"] if tk else None
             ours, theirs = results.get("flexlab", {}).get("kernel_ms"), results[peer].get("kernel_ms")
             speedup = theirs / ours if ours and theirs else None  # this table's clock, not the wall clock's ratio
-        cells += [peer or "-", f"{speedup:.2f}x" if speedup else "-", f"{roof:.0f}%" if roof else "-"]
+        paired = _paired(rec, clock)
+        cells += [peer or "-", f"{speedup:.2f}x" if speedup else "-", f"{paired:.2f}x" if paired else "-",
+                  f"{roof:.0f}%" if roof else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

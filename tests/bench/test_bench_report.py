@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 from flexlab.bench.report import (best_peer, format_document, format_markdown, format_row, merge_documents,
-                                  read_json, result_files, summarize_row, write_json)
+                                  paired_speedup, read_json, result_files, summarize_row, write_json)
 
 RESULTS = Path(__file__).parents[2] / "benchmarks" / "results"
 
@@ -135,3 +135,33 @@ def test_roof_is_the_gpu_s_own():
     rec = _row(flexlab=_ok(1.0, tflops=360.0), sdpa={"status": "n/a"})
     apply_roof(rec, doc["matmul_ceiling_tflops"])
     assert rec["results"]["flexlab"]["roof_pct"] == 50.0 and "roof_pct" not in rec["results"]["sdpa"]
+
+
+def _rounds(walls, stamp="2026-12-05T08:00:00Z"):
+    return {**_ok(sorted(walls)[len(walls) // 2]), "wall_ms_rounds": walls,
+            "kernel_ms_rounds": [w * 0.9 for w in walls], "measured_utc": stamp}
+
+
+def test_paired_speedup_divides_round_by_round():
+    # The clock moved after round two: flexlab's median lands on a slow round, the peer's on a fast one, so the ratio
+    # of medians reads 0.83x; round by round the two are level.
+    ours, peer = _rounds([1.0, 1.0, 1.2, 1.2, 1.2]), _rounds([1.0, 1.0, 1.0, 1.2, 1.2])
+    rec = _row(flexlab=ours, fa4=peer)
+    assert abs(rec["flexlab_speedup_vs_best_peer"] - 1.0 / 1.2) < 1e-9
+    assert rec["flexlab_paired_speedup_vs_best_peer"] == {"wall_ms": 1.0, "kernel_ms": 1.0}
+    doc = {"schema": 1, "environment": {}, "settings": {}, "matmul_ceiling_tflops": 790.0, "rows": [rec]}
+    assert "| 0.83x | 1.00x |" in format_markdown(doc).splitlines()[2]
+    assert "flexlab 0.83x of it (1.00x paired by round)" in format_row(rec)
+    assert format_document(doc).splitlines()[-1].rstrip().endswith("0.83    1.00")
+
+
+def test_paired_speedup_needs_one_interleaved_measurement():
+    ours = _rounds([1.0, 1.1, 1.2])
+    assert abs(paired_speedup(ours, _rounds([1.1, 1.1, 1.1])) - 1.0) < 1e-9
+    assert paired_speedup(ours, _rounds([1.1, 1.1, 1.1], stamp="2026-12-05T09:00:00Z")) is None  # another run
+    assert paired_speedup(ours, _rounds([1.1, 1.1])) is None  # other rounds
+    assert paired_speedup(ours, {**_rounds([1.1, 1.1, 1.1]), "status": "wrong"}) is None
+    assert paired_speedup(ours, _ok(1.0)) is None  # timed without rounds
+    assert _row(flexlab=ours, fa4=_ok(1.0))["flexlab_paired_speedup_vs_best_peer"] == {"wall_ms": None,
+                                                                                       "kernel_ms": None}
+    assert _row(flexlab=ours)["flexlab_paired_speedup_vs_best_peer"] is None  # no peer
