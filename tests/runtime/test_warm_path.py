@@ -19,9 +19,9 @@ from test_backend_captures import _run_on_fake_cuda, _softcap  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _empty_warm_cache():
-    api._WARM.clear()
+    api.forget_warm_calls()
     yield
-    api._WARM.clear()
+    api.forget_warm_calls()
 
 
 def _counting_validate(monkeypatch) -> list:

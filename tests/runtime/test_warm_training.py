@@ -20,11 +20,9 @@ from flexlab.testing import rel_l2  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def _empty_warm_caches():
-    api._WARM.clear()
-    api._WARM_TRAIN.clear()
+    api.forget_warm_calls()
     yield
-    api._WARM.clear()
-    api._WARM_TRAIN.clear()
+    api.forget_warm_calls()
 
 
 def _cpu_flexlab(monkeypatch, score_mod) -> dict:
