@@ -317,7 +317,7 @@ def test_sweep_lists_every_candidate_and_reports_a_hang(tmp_path):
         row, variant, _ = c.split("/")
         D = next(r[1] for r in ROWS if r[0] == row)
         assert variant in DETERMINISTIC_VARIANTS and variant in candidate_bwd_configs(D, deterministic=True), c
-    script = Path(__file__).with_name("bwd_perf_sweep.py")
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "probes" / "bwd_perf_sweep.py"
     out = tmp_path / "sweep.json"
     res = subprocess.run([sys.executable, str(script), str(out), "--selftest", "--case-timeout", "3"],
                          capture_output=True, text=True, timeout=90)
