@@ -75,16 +75,22 @@ class Switch:
         return self.made[cfg]
 
     def use(self, variant: str) -> None:
-        import flexlab.api as api
-        from flexlab.kernels import bwd_launch
-        from flexlab.runtime import launch as fwd_launch
         setattr(self.module, self.hook, self.variants[variant])
-        bwd_launch._PLANS.clear()
-        fwd_launch._PLANS.clear()
-        api.forget_warm_calls()  # (the warm paths hold their plans)
+        _forget_decisions()
 
     def restore(self) -> None:
         setattr(self.module, self.hook, self.launcher)
+
+
+def _forget_decisions() -> None:
+    """After a switch: drop the launchers' memoised configurations and plans and the warm paths (which hold plans),
+    so the next call plans with the variant now in place (compiled kernels stay cached)."""
+    import flexlab.api as api
+    from flexlab.kernels import bwd_launch
+    from flexlab.runtime import launch as fwd_launch
+    fwd_launch.forget_plans()
+    bwd_launch.forget_plans()
+    api.forget_warm_calls()
 
 
 class KnobSwitch:
@@ -103,13 +109,8 @@ class KnobSwitch:
         self.variants = {"launcher": self.own, "flipped": value}
 
     def use(self, variant: str) -> None:
-        import flexlab.api as api
-        from flexlab.kernels import bwd_launch
-        from flexlab.runtime import launch as fwd_launch
         setattr(self.module, self.name, self.variants[variant])
-        fwd_launch.forget_plans()
-        bwd_launch.forget_plans()
-        api.forget_warm_calls()
+        _forget_decisions()
 
     @staticmethod
     def configs() -> list:

@@ -188,7 +188,7 @@ def format_row(record: dict) -> str:
             lines.append(f"  {name:<20}{'':>38}  {status:<8}{_short(note)}")
     if record.get("best_peer"):
         s = record.get("flexlab_speedup_vs_best_peer")
-        paired = (record.get("flexlab_paired_speedup_vs_best_peer") or {}).get("wall_ms")
+        paired = _paired(record, "wall_ms")
         lines.append(f"  best peer: {record['best_peer']} {record['best_peer_wall_ms']:.3f} ms"
                      + (f"; flexlab {s:.2f}x of it" if s else "; flexlab: no result")
                      + (f" ({paired:.2f}x paired by round)" if paired else ""))

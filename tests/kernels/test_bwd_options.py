@@ -296,8 +296,8 @@ def test_sweep_lists_every_candidate_and_reports_a_hang(tmp_path):
     import json
     import subprocess
     import sys
-    from pathlib import Path
 
+    import bwd_perf_sweep
     from bwd_perf_sweep import ROWS, SCORE_MOD_ROWS, case_list
 
     from flexlab.kernels.bwd_config import candidate_bwd_configs
@@ -317,7 +317,7 @@ def test_sweep_lists_every_candidate_and_reports_a_hang(tmp_path):
         row, variant, _ = c.split("/")
         D = next(r[1] for r in ROWS if r[0] == row)
         assert variant in DETERMINISTIC_VARIANTS and variant in candidate_bwd_configs(D, deterministic=True), c
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "probes" / "bwd_perf_sweep.py"
+    script = bwd_perf_sweep.__file__  # (benchmarks/probes, on the path through conftest)
     out = tmp_path / "sweep.json"
     res = subprocess.run([sys.executable, str(script), str(out), "--selftest", "--case-timeout", "3"],
                          capture_output=True, text=True, timeout=90)
