@@ -29,7 +29,9 @@ call (128 at D=64 where it pays, see `D64_TILE_M`):
                   captured tensors it reads (document ids) wait behind the GEMM instead of in front of the softmax
                   (measured and not used: 0.93x at D=64 and 0.98x at D=128 on the document rows,
                   benchmarks/results/mask_early_h200_2026-11-30.json.gz; with 64-row steps at D=128 it spills);
-                  with `band_mask`, the band's words are formed there instead (index arithmetic alone);
+                  with `band_mask`, the band's words are formed there instead (index arithmetic alone; the two
+                  together against neither, backward on an H100: sliding window 1.000-1.005x, causal 1.010-1.016x
+                  the default's speed, bwd_band_early_probe_h100_2026-12-06.json.gz: off);
   dq_split_rows   each consumer warpgroup computes 64 query rows of the dQ partial over the whole head dim (wgmma
                   N = head_dim) instead of all tile_m rows over head_dim / warpgroups columns (N = 32 at D=64, where
                   the shared-memory A operand limits the tensor cores); needs tile_m = 64 * warpgroups; the default

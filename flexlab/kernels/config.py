@@ -166,7 +166,9 @@ class FwdConfig:
     # 2026-11-30: 0.98x on the document rows, 1.01-1.02x on sliding windows
     # (benchmarks/results/mask_early_h200_2026-11-30.json.gz); with 192-row tiles (160 registers per thread) it spills.
     # With `band_mask` the band's words are formed there instead (index arithmetic alone; without it, after the
-    # GEMM's wait). Not yet timed in that form.
+    # GEMM's wait). Timed in that form on an H100 (fwd_mask_early_sliding_probe_h100_2026-12-06.json.gz and
+    # fwd_band_early_causal_probe_h100_2026-12-06.json.gz): sliding windows 0.997-1.001x, causal with band_mask
+    # 1.002-1.007x the default's speed: level, so off.
     mask_early: bool = False
     # Block-sparse only: partial blocks read their mask from bits stored by the launcher (`runtime.mask_bits`, passed
     # after the four block lists) instead of evaluating mask_mod; the launcher's choice for masks that read captured
