@@ -1,0 +1,112 @@
+"""FA4's sm90 backward step beside ours, in SASS, on a machine without a GPU (not a test; a reading aid).
+
+    python benchmarks/probes/bwd_peer_sass.py causal 128
+    python benchmarks/probes/bwd_peer_sass.py dense 128 --json step_loops.json
+
+flash-attn-4 compiles its kernels for sm_90a under torch's fake tensors when told the target
+(FLASH_ATTENTION_ARCH, CUTE_DSL_ARCH, set here), so its main backward kernel's PTX can be assembled and disassembled
+like ours (`flexlab.viz.compile_report`). For each kernel this prints, per step loop (the loops that issue HGMMA and
+exponentials): instructions, HGMMA, MUFU.EX2, shared-memory loads, and how many exponentials come before the first
+full wgmma wait (the wait for dP: what runs beside that GEMM). FA4 is a peer, never a dependency: it is imported
+from wherever it is installed (`pip install --target DIR --no-deps flash-attn-4 quack-kernels apache-tvm-ffi triton`
+and PYTHONPATH=DIR is enough).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import sys
+import tempfile
+
+# FA4 picks its kernel family from these, not from a GPU; the DSL reads its target once, when cutlass is first
+# imported, so they are set before anything imports it (our kernels are compiled for sm_90a either way).
+PEER_TARGET = {"FLASH_ATTENTION_ARCH": "sm_90", "CUTE_DSL_ARCH": "sm_90a", "FLASH_ATTENTION_NUM_SMS": "132"}
+
+
+def step_loops(ptx: str) -> dict:
+    """Registers, spills and a summary of each step loop of one kernel's PTX."""
+    from flexlab.viz.compile_report import exp2_before, report_from_ptx
+    rep = report_from_ptx(ptx)
+    if rep.missing:
+        raise SystemExit(f"needs {rep.missing}")
+    loops = []
+    for body, ops in zip(rep.gemm_loop_bodies, rep.gemm_loops):
+        if not ops.get("MUFU.EX2"):
+            continue
+        full_wait = "WARPGROUP.DEPBAR.LE gsb0, 0x0"
+        before, exps = exp2_before(body, full_wait) if full_wait in body else (None, ops["MUFU.EX2"])
+        loops.append({"instructions": sum(ops.values()),
+                      "hgmma": sum(n for op, n in ops.items() if op.startswith("HGMMA")),
+                      "exp2": exps, "exp2_before_dp_wait": before,
+                      "lds": sum(n for op, n in ops.items() if op.startswith("LDS")),
+                      "top": ops.most_common(12)})
+    return {"registers": rep.registers, "spill_store_bytes": rep.spill_store_bytes, "loops": loops}
+
+
+def peer_ptx(variant: str, head_dim: int, seqlen: int, dump: str) -> str:
+    """PTX of FA4's main sm90 backward kernel for a dense or causal B1·H16 problem; the DSL keeps it in `dump`
+    (`CUTE_DSL_DUMP_DIR`, set by `main` before cutlass is imported)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    try:
+        from flash_attn.cute import interface
+    except ImportError as err:
+        raise SystemExit(f"flash_attn.cute does not import ({err}); see this script's docstring") from err
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        q, k, v, out, dout = (torch.empty(1, seqlen, 16, head_dim, dtype=torch.bfloat16, device="cuda")
+                              for _ in range(5))
+        lse = torch.empty(1, 16, seqlen, dtype=torch.float32, device="cuda")
+        interface._flash_attn_bwd(q, k, v, out, dout, lse, causal=variant == "causal")
+    found = glob.glob(os.path.join(dump, "*BackwardSm90*.ptx"))
+    if not found:
+        raise SystemExit("FA4 compiled no sm90 backward kernel (is FLASH_ATTENTION_ARCH honoured?)")
+    with open(found[0]) as f:
+        return f.read()
+
+
+def our_ptx(variant: str, head_dim: int) -> str:
+    """PTX of the main backward kernel the launcher runs for this variant (causal: torch's default 128 block mask)."""
+    from flexlab.codegen import generate
+    from flexlab.kernels.bwd_launch import BwdKey, compile_main, config_for, main_key
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    g = generate(None, causal, fastmath=True) if variant == "causal" else None
+    block_sparse = g is not None
+    cfg = config_for(head_dim, False, g, False, 128 if block_sparse else None)
+    if g is None:
+        key = BwdKey("", False, False, False, (), (), (), "bfloat16", cfg, False, False)
+    else:
+        key = main_key(g, g.kernel_aux_tensors(), [], "bfloat16", cfg, block_sparse, False)
+    with tempfile.TemporaryDirectory() as dump:
+        compiled = compile_main(key, g.module() if g is not None else None,
+                                options=f" --keep-ptx --dump-dir {dump}")
+        return compiled.__ptx__
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("variant", choices=("dense", "causal"))
+    ap.add_argument("head_dim", type=int, choices=(64, 128))
+    ap.add_argument("--seqlen", type=int, default=4096)
+    ap.add_argument("--json", help="also write the summaries here")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as dump:
+        os.environ.update(PEER_TARGET, CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=dump)
+        result = {"flexlab": step_loops(our_ptx(args.variant, args.head_dim)),
+                  "fa4": step_loops(peer_ptx(args.variant, args.head_dim, args.seqlen, dump))}
+    for name, rec in result.items():
+        print(f"{name}: {rec['registers']} registers, {rec['spill_store_bytes']} spill bytes")
+        for i, loop in enumerate(rec["loops"]):
+            print(f"  loop {i}: {loop['instructions']} instructions, {loop['hgmma']} HGMMA, {loop['lds']} LDS, "
+                  f"{loop['exp2_before_dp_wait']} of {loop['exp2']} exponentials before the dP wait")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"variant": args.variant, "head_dim": args.head_dim, **result}, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
