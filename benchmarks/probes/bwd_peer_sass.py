@@ -69,7 +69,7 @@ def peer_ptx(variant: str, head_dim: int, seqlen: int, dump: str) -> str:
 def our_ptx(variant: str, head_dim: int) -> str:
     """PTX of the main backward kernel the launcher runs for this variant (causal: torch's default 128 block mask)."""
     from flexlab.codegen import generate
-    from flexlab.kernels.bwd_launch import BwdKey, compile_main, config_for, main_key
+    from flexlab.kernels.bwd_launch import compile_main, config_for, main_key
 
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
@@ -77,10 +77,7 @@ def our_ptx(variant: str, head_dim: int) -> str:
     g = generate(None, causal, fastmath=True) if variant == "causal" else None
     block_sparse = g is not None
     cfg = config_for(head_dim, False, g, False, 128 if block_sparse else None)
-    if g is None:
-        key = BwdKey("", False, False, False, (), (), (), "bfloat16", cfg, False, False)
-    else:
-        key = main_key(g, g.kernel_aux_tensors(), [], "bfloat16", cfg, block_sparse, False)
+    key = main_key(g, g.kernel_aux_tensors() if g is not None else (), [], "bfloat16", cfg, block_sparse, False)
     with tempfile.TemporaryDirectory() as dump:
         compiled = compile_main(key, g.module() if g is not None else None,
                                 options=f" --keep-ptx --dump-dir {dump}")

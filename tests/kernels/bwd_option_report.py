@@ -45,10 +45,9 @@ def _mods(kind: str):
 
 def key_for(cfg, g, block_sparse: bool, deterministic: bool):
     """The launcher's BwdKey for this config and generated module (None: no mods)."""
-    from flexlab.kernels.bwd_launch import BwdKey
-    if g is None:
-        return BwdKey("", False, False, False, (), (), (), "bfloat16", cfg, block_sparse, deterministic)
     from flexlab.kernels.bwd_launch import main_key
+    if g is None:
+        return main_key(None, (), [], "bfloat16", cfg, block_sparse, deterministic)
     slots = [i for i, rg in enumerate(g.aux_requires_grad) if rg]
     return main_key(g, g.kernel_aux_tensors(), slots, "bfloat16", cfg, block_sparse, deterministic)
 
