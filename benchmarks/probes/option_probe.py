@@ -97,7 +97,8 @@ class KnobSwitch:
     """The same two variants for a policy knob: `use("flipped")` sets `name` to `value` in `kernels.config` (forward)
     or `kernels.bwd_config`, `use("launcher")` puts its own value back; each clears the memoised configurations and
     plans. `configs()` lists the kernel configurations the launchers have planned since the last `use`, which tells
-    whether the knob changed what ran."""
+    whether the knob changed what ran; a backward plan counts with its CTA order (a launcher knob such as
+    `LPT_GROUP_L2_BYTES` changes only that)."""
 
     def __init__(self, name: str, value, forward: bool):
         from flexlab.kernels import bwd_config
@@ -117,7 +118,8 @@ class KnobSwitch:
         from flexlab.kernels import bwd_launch
         from flexlab.runtime import launch as fwd_launch
         fwd = [hit[1].config for plans in fwd_launch._PLANS.values() for hit in plans[1].values()]
-        return fwd + [plan.cfg for plan in bwd_launch._PLANS.values()]
+        return fwd + [(plan.cfg, None if plan.tile_order is None else plan.tile_order.cpu().numpy().tobytes())
+                      for plan in bwd_launch._PLANS.values()]
 
     def restore(self) -> None:
         setattr(self.module, self.name, self.own)

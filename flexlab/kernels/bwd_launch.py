@@ -536,9 +536,11 @@ _PLANS_KEPT = 32
 
 def forget_plans() -> None:
     """Drop every memoised backward configuration and plan (compiled kernels stay cached; the source fingerprint
-    stays): what a policy knob of `kernels.bwd_config` changed at run time needs before the next call sees it."""
+    stays): what a policy knob of `kernels.bwd_config` changed at run time needs before the next call sees it. The
+    Q-direction lists go too: they memoise the CTA order, which `LPT_GROUP_L2_BYTES` shapes."""
     clear_memos(globals(), __name__, frozenset({"bwd_fingerprint"}))
     _PLANS.clear()
+    _Q_LISTS.clear()
 
 
 def _plan(q, k, entry, block_mask, block_size, deterministic: bool, has_dlse: bool, arch: str) -> _Plan:

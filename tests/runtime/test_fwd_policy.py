@@ -246,6 +246,7 @@ def test_forget_plans_drops_every_memo_a_knob_reaches_and_keeps_static_facts(fre
     bwd_launch.config_for(128, False, None, False)
     launch._static_key_parts()
     bwd_launch.bwd_fingerprint()
+    bwd_launch._Q_LISTS["a mask's lists"] = None  # (they memoise the CTA order, which LPT_GROUP_L2_BYTES shapes)
     filled = {n for m in (launch, schedule, bwd_launch) for n, f in _memos(m).items() if f.cache_info().currsize}
     assert {"_config", "_dynamic", "heads_per_group"} <= filled and "_static_key_parts" in filled
     launch.forget_plans()
@@ -254,7 +255,7 @@ def test_forget_plans_drops_every_memo_a_knob_reaches_and_keeps_static_facts(fre
                          (bwd_launch, {"bwd_fingerprint"})):
         for name, memo in _memos(module).items():
             assert (memo.cache_info().currsize > 0) == (name in kept and name in filled), (module.__name__, name)
-    assert not launch._PLANS and not bwd_launch._PLANS
+    assert not launch._PLANS and not bwd_launch._PLANS and not bwd_launch._Q_LISTS
     # and a knob flipped now reaches the next plan: long causal tiles without dynamic tiles
     fresh_policy.setattr(policy, "DYNAMIC_ANY_LENGTH_MAX_HEAD_DIM", 0)
     fresh_policy.setattr(policy, "DYNAMIC_MAX_MEAN_KV_BLOCKS", 20)
