@@ -108,9 +108,14 @@ MIN_TAIL_PART_STEPS = 4
 # (bwd_kind_loops_probe_h200_2026-12-03c.json.gz), and with the fixed probe 0.987x and 1.001x causal, 0.986x and
 # 1.003x documents at B4·S4k and B1·S16k (bwd_kind_loops_d128_probe_h200_2026-12-03b.json.gz).
 D64_KIND_LOOPS = True
-# Block-sparse backward kernels run their KV tiles longest-first within L2-sized head groups (`lpt_order`).
+# Block-sparse backward kernels run their KV tiles longest-first within L2-sized head groups (`lpt_order`). Timed in
+# turns on an H100 against the mask's own order: backward 1.058x causal B4·S4k, 1.008x causal B1·S16k (paired;
+# bwd_lpt_order_probe_h100_2026-12-06.json.gz).
 LPT_ORDER = True
-# `lpt_order`: bytes of Q, dO and the fp32 dQ sums one group of (batch, KV head) pairs may hold in L2 together.
+# `lpt_order`: bytes of Q, dO and the fp32 dQ sums one group of (batch, KV head) pairs may hold in L2 together. On an
+# H100, 8, 16 and 24 MiB groups timed within 1% of 48 MiB (paired fwd+bwd) on causal B1·S16k, causal B4·S4k,
+# documents B4·S4k and ALiBi-causal B1·S16k, but for 8 MiB at causal B4·S4k, 3% slower
+# (bwd_lpt_group_{8,16,24}m_probe_h100_2026-12-06b.json.gz): the L2 group is not what holds causal S16k back.
 LPT_GROUP_L2_BYTES = 48 << 20
 # Deterministic kernels run their KV tiles in the launcher's turn order (`lpt_order` there,
 # `bwd_launch.turn_tile_order`): the heads of an L2 group take turns, and under a block mask higher KV tiles add
@@ -142,7 +147,8 @@ class BwdConfig:
     # arrive. Left free, it hoisted the wait above every exponential of P in the block-mask kernels (dense: after 6
     # of 40), so P was formed after dP^T instead of beside it (the forward's `FwdConfig.anchored_release`). Timed in
     # turns: 0.98-1.02x of the default's main kernel on seven masked rows
-    # (bwd_anchored_wait_sweep_h200_2026-12-01.json.gz); off.
+    # (bwd_anchored_wait_sweep_h200_2026-12-01.json.gz); off. On an H100, off was 1.008x and 1.019x paired backward
+    # on causal B1·S16k and B4·S4k (bwd_anchored_wait_probe_h100_2026-12-06.json.gz).
     anchored_wait: bool = False
     # dQ is computed transposed, dQ^T = K^T dS^T: the head dim on wgmma's M axis (64 per consumer warpgroup) and
     # the query rows on N, so a step may take any multiple of 16 rows, not only 64 or 128 (`DENSE_TILE_M`).
