@@ -1,7 +1,13 @@
-"""One training step of flexlab and of FA4 on the same inputs, for Nsight Compute (not a test; GPU machine only):
+r"""One training step of flexlab and of FA4 on the same inputs, for Nsight Compute (not a test; GPU machine only):
 
     ncu --clock-control none -k regex:'FlexFwdSm90|FlexBwdSm90|ForwardSm90|BackwardSm90' --section SpeedOfLight \
         --section WarpStateStats ... python benchmarks/probes/ncu_step.py causal 4 4096 128
+
+Stall reasons per issued instruction (what splits a gap in cycles per instruction), both kernels in one run:
+
+    ncu --clock-control none -k regex:'FlexBwdSm90|BackwardSm90' \
+        --metrics regex:'smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+        python benchmarks/probes/ncu_step.py causal 1 16384 128 fa4
 
 Each backend runs the step twice (the first compiles); profile the second with `--launch-skip`/`--launch-count` or
 keep both. `--forward` (anywhere in the arguments) runs the forward alone, without autograd. The peer (fifth argument) is `fa4` (flash_attn.cute called directly; runs only when it imports and spells
