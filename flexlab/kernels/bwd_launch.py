@@ -241,8 +241,9 @@ class QLists:
         self._mean_visits: float | None = None
 
     def tile_order(self, batch: int, kv_heads: int, qhead_per_kvhead: int, seqlen_q: int, head_dim: int):
-        """`BwdConfig.lpt_order`'s CTA order for these lists, built once per shape (`lpt_tile_order`)."""
-        key = (batch, kv_heads, qhead_per_kvhead, seqlen_q, head_dim)
+        """`BwdConfig.lpt_order`'s CTA order for these lists, built once per shape and L2 group budget
+        (`lpt_tile_order`)."""
+        key = (batch, kv_heads, qhead_per_kvhead, seqlen_q, head_dim, bwd_config.LPT_GROUP_L2_BYTES)
         hit = self._orders.get(key)
         if hit is None:
             hit = self._orders[key] = lpt_tile_order(self.tensors, batch, kv_heads, qhead_per_kvhead, seqlen_q,
@@ -537,7 +538,7 @@ _PLANS_KEPT = 32
 def forget_plans() -> None:
     """Drop every memoised backward configuration and plan (compiled kernels stay cached; the source fingerprint
     stays): what a policy knob of `kernels.bwd_config` changed at run time needs before the next call sees it. The
-    Q-direction lists go too: they memoise the CTA order, which `LPT_GROUP_L2_BYTES` shapes."""
+    Q-direction lists go too (their CTA orders are keyed by `LPT_GROUP_L2_BYTES` as well)."""
     clear_memos(globals(), __name__, frozenset({"bwd_fingerprint"}))
     _PLANS.clear()
     _Q_LISTS.clear()

@@ -8,7 +8,8 @@ import torch
 
 from flexlab.kernels import bwd_config
 from flexlab.kernels.bwd_config import BwdConfig, default_bwd_config
-from flexlab.kernels.bwd_launch import l2_head_groups, lpt_tile_order, q_direction_tensors, turn_tile_order
+from flexlab.kernels.bwd_launch import (QLists, l2_head_groups, lpt_tile_order, q_direction_tensors,
+                                        turn_tile_order)
 from flexlab.mask.build import create_block_mask
 
 
@@ -137,3 +138,17 @@ def test_deterministic_walk_goes_in_q_order_where_partial_tiles_follow_full_ones
             steps = [listed(walked, 0, 0, n).index(m) for n in visitors]
             assert [int(ranks[0, 0, n, m]) for n in visitors] == list(range(len(visitors)))[::-1]
             assert steps == sorted(steps, reverse=True), (m, visitors, steps)  # higher tiles got there first
+
+
+def test_memoised_order_follows_the_l2_budget(monkeypatch):
+    # a mask's lists keep their CTA order between calls: a budget changed at run time (a notebook, a probe) must give
+    # the order of the new budget, not the one built first
+    cfg = BwdConfig(head_dim=128)
+    lists = QLists(_lists(lambda b, h, q, kv: q >= kv, None, None, 4096, cfg), ())
+    wide = lists.tile_order(4, 16, 1, 4096, 128)
+    monkeypatch.setattr(bwd_config, "LPT_GROUP_L2_BYTES", 8 << 20)
+    narrow = lists.tile_order(4, 16, 1, 4096, 128)
+    assert torch.equal(narrow, lpt_tile_order(lists.tensors, 4, 16, 1, 4096, 128))
+    assert not torch.equal(narrow, wide)
+    monkeypatch.setattr(bwd_config, "LPT_GROUP_L2_BYTES", 48 << 20)
+    assert lists.tile_order(4, 16, 1, 4096, 128) is wide
