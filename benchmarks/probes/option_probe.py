@@ -70,8 +70,12 @@ class Switch:
     def flipped(self, *a, **k):
         self.asked[0] += 1
         cfg = self.launcher(*a, **k)
-        if cfg not in self.made:
-            self.made[cfg] = replace(cfg, **{f: not getattr(cfg, f) for f in self.fields})
+        if cfg not in self.made:  # NAME flips a boolean field, NAME=VALUE sets one (a Python literal)
+            changes = {}
+            for f in self.fields:
+                name, eq, value = f.partition("=")
+                changes[name] = ast.literal_eval(value) if eq else not getattr(cfg, name)
+            self.made[cfg] = replace(cfg, **changes)
         return self.made[cfg]
 
     def use(self, variant: str) -> None:
@@ -128,8 +132,8 @@ class KnobSwitch:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--field", help="a boolean BwdConfig field (FwdConfig with --forward); several, "
-                    "comma-separated, flip together")
+    ap.add_argument("--field", help="a boolean BwdConfig field (FwdConfig with --forward), or NAME=VALUE to set "
+                    "any field; several, comma-separated, change together")
     ap.add_argument("--knob", help="NAME=VALUE: a policy knob of kernels.bwd_config (kernels.config with --forward) "
                     "set to VALUE (a Python literal) instead of a field flipped")
     ap.add_argument("--forward", action="store_true", help="flip the field in the forward kernel's configuration")
@@ -178,7 +182,8 @@ def main() -> None:
                 setting = switch.own
             else:
                 setting = None if args.forward else getattr(
-                    switch.launcher(D, False, False, None if bm is None else bm.BLOCK_SIZE[0]), switch.fields[0])
+                    switch.launcher(D, False, False, None if bm is None else bm.BLOCK_SIZE[0]),
+                    switch.fields[0].partition("=")[0])
             errors = {n: rel_l2(a, b) for n, a, b in zip(("dq", "dk", "dv"), grads["launcher"], grads["flipped"])}
             nan = any(torch.isnan(t).any().item() for g in grads.values() for t in g)
             del grads
