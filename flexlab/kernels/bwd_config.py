@@ -150,6 +150,23 @@ class BwdConfig:
     # (bwd_anchored_wait_sweep_h200_2026-12-01.json.gz); off. On an H100, off was 1.008x and 1.019x paired backward
     # on causal B1·S16k and B4·S4k (bwd_anchored_wait_probe_h100_2026-12-06.json.gz).
     anchored_wait: bool = False
+    # With `anchored_wait`: how many of the step's first probabilities (in program order, column by column) the
+    # anchor's count is computed from, so ptxas forms at least that many before it waits for dP^T (1: the first).
+    # FA4's causal step forms 16 of its 32 there.
+    anchor_exps: int = 1
+    # The step's LSE2 rows are read from shared memory between the issues of the S^T and dP^T GEMMs (needs
+    # `stats_in_smem`), as FA4 reads them, instead of after the S^T wait, where dP^T's operand reads already fill
+    # shared memory and the first exponentials' FFMAs wait on those loads (10% of the causal kernel's stall
+    # samples on an H100, ncu_bwd_causal_b1s16k_source_h100_2026-12-06.csv.gz). Alone (a branch then): 0.98-1.02x
+    # of the default's main kernel on the H200 (bwd_stats_before_dp_h200_2026-12-01.json.gz), as ptxas still waits
+    # for dP^T before every exponential; with `anchored_wait` and `anchor_exps=16` (the sweep's `fa4_step_order`,
+    # FA4's order) not timed yet. With a score_mod derivative and captured-tensor gradients the rows held across
+    # the dP^T issue raise spills (learnable bias, tests/kernels/bwd_option_report.py: 72 -> 232 bytes at D=128).
+    stats_before_dp: bool = False
+    # `mask_bits`: a partial step's stored bits are loaded before the wait for its Q/dO stage instead of after the
+    # S^T and dP^T issues; their wait was 8.8% of the documents B4·S4k kernel's stall samples on an H100
+    # (ncu_bwd_document_b4s4k_source_h100_2026-12-06.csv.gz). Not timed yet.
+    bits_before_wait: bool = False
     # dQ is computed transposed, dQ^T = K^T dS^T: the head dim on wgmma's M axis (64 per consumer warpgroup) and
     # the query rows on N, so a step may take any multiple of 16 rows, not only 64 or 128 (`DENSE_TILE_M`).
     dq_swap_ab: bool = False
@@ -318,6 +335,10 @@ class BwdConfig:
             return "dq_red adds the dQ partials from the consumer threads: there is no reduce for a dQ warp to issue"
         if self.smem_bytes() > SMEM_BYTES_SM90:
             return f"needs {self.smem_bytes()} bytes of shared memory, sm90 has {SMEM_BYTES_SM90}"
+        if self.stats_before_dp and not self.stats_in_smem:
+            return "stats_before_dp reads the LSE2 rows from their shared-memory copy: it needs stats_in_smem"
+        if self.anchor_exps < 1:
+            return f"anchor_exps={self.anchor_exps} must be at least 1"
         if self.mask_bits and (self.tile_n != 128 or self.tile_m not in (64, 128) or self.mask_early):
             return "mask_bits=True stores 128 key rows of 64 or 128 query columns per block and replaces " \
                    "mask_early: it needs tile_n=128, tile_m 64 or 128 and mask_early=False"
@@ -483,7 +504,12 @@ def candidate_bwd_configs(head_dim: int, deterministic: bool = False, mod_grads:
         "mask_late" if base.mask_early else "mask_early": replace(base, mask_early=not base.mask_early),
         "try_wait_first": replace(base, try_wait_first=True),
         "anchored_wait" if not base.anchored_wait else "free_wait": replace(base, anchored_wait=not base.anchored_wait),
+        # FA4's order where the two GEMMs of a step meet: LSE2 rows read between their issues, 16 of the step's
+        # probabilities formed before the dP^T wait
+        "fa4_step_order": replace(base, stats_before_dp=base.stats_in_smem, anchored_wait=True, anchor_exps=16),
     }
+    if base.stats_in_smem and not base.stats_before_dp:
+        cands["stats_before_dp"] = replace(base, stats_before_dp=True)
     if base.dq_swap_ab:  # (no block mask: 80 divides no mask block size, so no other Q-step question either)
         cands["tile_m64"] = replace(base, tile_m=64, dq_swap_ab=False)
         cands["tile_m64_swap"] = replace(base, tile_m=64)

@@ -66,6 +66,14 @@ class BwdStep:
         batch, head, q_last, kv_last, softmax_scale, aux_tensors, aux_scalars, aux_grads, order = mods
         q_start = m_block * self.tile_m
         coords = ops.coords
+        words = None
+        if cutlass.const_expr(ops.stored is not None and self.mask_mod is not None):
+            words = cute.make_rmem_tensor(FRAGMENT_ROWS, cutlass.Uint32)
+            if cutlass.const_expr(self.cfg.bits_before_wait):
+                # the stored bits of a partial block, loaded before the wait for this step's Q/dO stage
+                if partial:
+                    bits, n_block, row, word = ops.stored
+                    load_fragment_bits(words, bits, batch, head, n_block, position, row, word)
         wait_full(pipe_qdo, state, self.try_wait_first)
         # The stage picks the shared-memory descriptors of every GEMM below. Marked warp-uniform, ptxas keeps the
         # descriptors in uniform registers (one UIADD3.64 per K slice); without the hint it built each one in
@@ -75,13 +83,18 @@ class BwdStep:
         acc_S = cute.make_rmem_tensor(ops.s_shape, Float32)
         acc_dP = cute.make_rmem_tensor(ops.s_shape, Float32)
         wgmma(tiled_mma_sdp, acc_S, ops.tSrK, ops.tSrQ[None, None, None, stage], True, -1)
+        c_cols = rows_view(coords)
+        early_lse2 = None
+        if cutlass.const_expr(self.cfg.stats_before_dp):
+            # this step's LSE2 rows, read before dP^T's operand reads fill shared memory (`stats_before_dp`)
+            early_lse2 = []
+            for j in cutlass.range_constexpr(cute.size(c_cols, mode=[1])):
+                early_lse2.append(self.row_stat(mLSE2, ops.sLSE2, batch, head, q_start, c_cols[0, j][0], stage))
         if cutlass.const_expr(not self.lean):
             wgmma(tiled_mma_sdp, acc_dP, ops.tPrV, ops.tPrdO[None, None, None, stage], True, -1)
         early_mask = cutlass.const_expr(self.mask_early and self.mask_mod is not None)
-        words = None
-        if cutlass.const_expr(ops.stored is not None and self.mask_mod is not None):
+        if cutlass.const_expr(words is not None and not self.cfg.bits_before_wait):
             # the stored bits of a partial block, loaded while S^T is on the tensor cores
-            words = cute.make_rmem_tensor(FRAGMENT_ROWS, cutlass.Uint32)
             if partial:
                 bits, n_block, row, word = ops.stored
                 load_fragment_bits(words, bits, batch, head, n_block, position, row, word)
@@ -133,9 +146,12 @@ class BwdStep:
             mask_kv_tail(acc_S, coords, kv_start, seqlen_k)
 
         # P^T = exp2(x * c - LSE2[q]); each accumulator column is one query row.
-        s_cols, c_cols = rows_view(acc_S), rows_view(coords)
+        s_cols = rows_view(acc_S)
         for j in cutlass.range_constexpr(cute.size(s_cols, mode=[1])):
-            lse2 = self.row_stat(mLSE2, ops.sLSE2, batch, head, q_start, c_cols[0, j][0], stage)
+            if cutlass.const_expr(early_lse2 is not None):
+                lse2 = early_lse2[j]
+            else:
+                lse2 = self.row_stat(mLSE2, ops.sLSE2, batch, head, q_start, c_cols[0, j][0], stage)
             for r in cutlass.range_constexpr(cute.size(s_cols, mode=[0])):
                 s_cols[r, j] = cute.math.exp2(s_cols[r, j] * log2_scale - lse2, fastmath=True)
         if cutlass.const_expr(self.early_dv):
@@ -162,7 +178,9 @@ class BwdStep:
                 tdSsdS = ops.tdSsdS if ops.tdSsdS is not None else ops.ds_store_view()
                 cute.copy(ops.st_ds, ops.thr_st_ds.retile(rP), tdSsdS[None, None, None, 2 + ds_index])
             if cutlass.const_expr(ops.anchor_mbar is not None):
-                arrive_after(ops.anchor_mbar, s_cols[0, 0])  # dP^T's wait, once the first probability is known
+                # dP^T's wait, once the first `anchor_exps` probabilities are known
+                rows, n = cute.size(s_cols, mode=[0]), min(self.cfg.anchor_exps, cute.size(s_cols))
+                arrive_after(ops.anchor_mbar, [s_cols[i % rows, i // rows] for i in range(n)])
             warpgroup.wait_group(0)
         # dS^T = P^T * (dP^T - D[q])
         dp_cols = rows_view(acc_dP)

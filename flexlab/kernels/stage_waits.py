@@ -64,10 +64,18 @@ def release_after(pipe, state, anchor: Float32):
 
 
 @cute.jit
-def arrive_after(mbar, anchor: Float32):
+def arrive_after(mbar, anchors):
     """One arrive per warp on `mbar`, an mbarrier nobody waits on (initialised with count 1, so every arrive
-    completes a phase), that ptxas cannot schedule before `anchor` is computed: a wgmma wait that follows it in the
-    program stays behind it (`BwdConfig.anchored_wait`)."""
-    count = _count_after(anchor)
+    completes a phase), that ptxas cannot schedule before every value of `anchors` (a Float32 or a list of them) is
+    computed: a wgmma wait that follows it in the program stays behind it (`BwdConfig.anchored_wait`). Several
+    anchors are joined by OR-ing their bits, so the count's bits still differ from `_NEVER_BITS` (whose sign bit no
+    probability sets: the hardware's NaN is positive)."""
+    if cutlass.const_expr(isinstance(anchors, (list, tuple))):
+        bits = _float_bits(anchors[0])
+        for a in anchors[1:]:
+            bits = bits | _float_bits(a)
+        count = cutlass.select_(bits == Int32(_NEVER_BITS), Int32(2), Int32(1))
+    else:
+        count = _count_after(anchors)
     if cute.arch.lane_idx() == 0:
         cute.arch.mbarrier_arrive(mbar, arrive_count=count)

@@ -54,22 +54,9 @@ def test_main_loop_keeps_descriptors_in_uniform_registers(D, kind):
 def _dp_wait_positions(D: int, kind: str, **config) -> list[tuple[int, int]]:
     """For each step loop of the backward built for `kind` with `config` replaced: (exponentials before the wait for
     dP^T, exponentials in the step)."""
-    import dataclasses
-
-    from bwd_option_report import _mods, compile_ptx, key_for
-
-    from flexlab.kernels.bwd_launch import config_for
-    from flexlab.viz.compile_report import exp2_before, report_from_ptx
-    g, block_sparse, det = _mods(kind)
-    cfg = config_for(D, det, g, g is not None and any(g.aux_requires_grad), 128 if block_sparse else None)
-    rep = report_from_ptx(compile_ptx(key_for(dataclasses.replace(cfg, **config), g, block_sparse, det), g))
-    if rep.missing:
-        pytest.skip(f"needs {rep.missing}")
-    assert not rep.errors and rep.spill_store_bytes == 0, (rep.errors, rep.spill_store_bytes)
-    out = []
-    for body, opcodes in zip(rep.gemm_loop_bodies, rep.gemm_loops):  # (the report counted each loop once)
-        if opcodes.get("MUFU.EX2"):
-            out.append(exp2_before(body, "WARPGROUP.DEPBAR.LE gsb0, 0x0"))  # the first full wait: dP^T's
+    from flexlab.viz.compile_report import exp2_before
+    out = [exp2_before(body, "WARPGROUP.DEPBAR.LE gsb0, 0x0")  # the first full wait: dP^T's
+           for body in _loop_bodies(D, kind, **config)]
     assert out
     return out
 
@@ -82,6 +69,52 @@ def test_anchored_wait_forms_p_beside_the_dp_gemm():
     anchored = _dp_wait_positions(128, "mask", anchored_wait=True)
     assert all(before == 0 for before, _ in free), free  # why the option exists
     assert all(1 <= before < total // 2 for before, total in anchored), anchored
+
+
+def test_anchor_exps_and_early_lse2_form_half_of_p_beside_the_dp_gemm():
+    """FA4's causal step reads its LSE2 rows between the S^T and dP^T issues and forms 16 of its 32 probabilities
+    before it waits for dP^T. `stats_before_dp` puts our LSE2 loads there, and `anchor_exps=16` ties the dP^T wait to
+    the first 16 probabilities, so at least those are formed beside that GEMM."""
+    deep = _dp_wait_positions(128, "mask", anchored_wait=True, anchor_exps=16, stats_before_dp=True)
+    assert all(16 <= before < total for before, total in deep), deep
+    for body in _loop_bodies(128, "mask", stats_before_dp=True):
+        hgmma = [i for i, ins in enumerate(body) if ins.startswith("HGMMA")]
+        lds = [i for i, ins in enumerate(body) if ins.startswith("LDS")]
+        # S^T and dP^T take head_dim / 16 HGMMA each: the LSE2 loads (the step's first) come before dP^T's first
+        assert len(lds) >= 8 and lds[7] < hgmma[128 // 16], (lds[:8], hgmma[:9])
+
+
+def test_bits_before_wait_loads_the_stored_mask_bits_ahead_of_the_stage_wait():
+    """`bits_before_wait`: a partial step's stored mask bits (two LDG per thread) are issued before the wait for the
+    step's Q/dO stage, not after the S^T and dP^T issues, where their wait showed in the documents profile."""
+    from flexlab.kernels.bwd_launch import with_mask_bits
+    for late, early in zip(_loop_bodies(128, "mask", with_bits=with_mask_bits),
+                           _loop_bodies(128, "mask", with_bits=with_mask_bits, bits_before_wait=True)):
+        def loads_before_wait(body):  # (the block-list walk's loads count in both)
+            wait = next(i for i, ins in enumerate(body) if ins.startswith("SYNCS"))
+            return sum(ins.startswith("LDG") for ins in body[:wait])
+        assert loads_before_wait(early) == loads_before_wait(late) + 2, (loads_before_wait(early),
+                                                                         loads_before_wait(late))
+
+
+def _loop_bodies(D: int, kind: str, with_bits=None, **config) -> list[list[str]]:
+    """SASS of each step loop (those with exponentials) of the backward for `kind` with `config` replaced and, with
+    `with_bits`, that function applied to the configuration first (`bwd_launch.with_mask_bits`)."""
+    import dataclasses
+
+    from bwd_option_report import _mods, compile_ptx, key_for
+
+    from flexlab.kernels.bwd_launch import config_for
+    from flexlab.viz.compile_report import report_from_ptx
+    g, block_sparse, det = _mods(kind)
+    cfg = config_for(D, det, g, g is not None and any(g.aux_requires_grad), 128 if block_sparse else None)
+    if with_bits is not None:
+        cfg = with_bits(cfg)
+    rep = report_from_ptx(compile_ptx(key_for(dataclasses.replace(cfg, **config), g, block_sparse, det), g))
+    if rep.missing:
+        pytest.skip(f"needs {rep.missing}")
+    assert not rep.errors and rep.spill_store_bytes == 0, (rep.errors, rep.spill_store_bytes)
+    return [body for body, opcodes in zip(rep.gemm_loop_bodies, rep.gemm_loops) if opcodes.get("MUFU.EX2")]
 
 
 @pytest.mark.parametrize("D", [128, 64])
