@@ -101,7 +101,7 @@ def test_results_round_trip_plain_and_gzip(tmp_path):
 def test_committed_results_are_compressed_and_readable():
     # results are committed gzip-compressed, a seventh of their plain size, to keep the repository small
     files = sorted(RESULTS.iterdir())
-    assert files and all(p.name.endswith((".json.gz", ".txt.gz")) for p in files), \
+    assert files and all(p.name.endswith((".json.gz", ".txt.gz", ".csv.gz")) for p in files), \
         [p.name for p in files if not p.name.endswith(".gz")]
     for path in files:
         if path.name.endswith(".json.gz"):
