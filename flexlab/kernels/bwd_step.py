@@ -66,14 +66,11 @@ class BwdStep:
         batch, head, q_last, kv_last, softmax_scale, aux_tensors, aux_scalars, aux_grads, order = mods
         q_start = m_block * self.tile_m
         coords = ops.coords
-        words = None
+        words = None  # a partial block's stored mask bits
         if cutlass.const_expr(ops.stored is not None and self.mask_mod is not None):
             words = cute.make_rmem_tensor(FRAGMENT_ROWS, cutlass.Uint32)
-            if cutlass.const_expr(self.cfg.bits_before_wait):
-                # the stored bits of a partial block, loaded before the wait for this step's Q/dO stage
-                if partial:
-                    bits, n_block, row, word = ops.stored
-                    load_fragment_bits(words, bits, batch, head, n_block, position, row, word)
+            if cutlass.const_expr(self.cfg.bits_before_wait):  # before the wait for this step's Q/dO stage
+                self.load_stored_bits(words, ops.stored, partial, batch, head, position)
         wait_full(pipe_qdo, state, self.try_wait_first)
         # The stage picks the shared-memory descriptors of every GEMM below. Marked warp-uniform, ptxas keeps the
         # descriptors in uniform registers (one UIADD3.64 per K slice); without the hint it built each one in
@@ -93,11 +90,8 @@ class BwdStep:
         if cutlass.const_expr(not self.lean):
             wgmma(tiled_mma_sdp, acc_dP, ops.tPrV, ops.tPrdO[None, None, None, stage], True, -1)
         early_mask = cutlass.const_expr(self.mask_early and self.mask_mod is not None)
-        if cutlass.const_expr(words is not None and not self.cfg.bits_before_wait):
-            # the stored bits of a partial block, loaded while S^T is on the tensor cores
-            if partial:
-                bits, n_block, row, word = ops.stored
-                load_fragment_bits(words, bits, batch, head, n_block, position, row, word)
+        if cutlass.const_expr(words is not None and not self.cfg.bits_before_wait):  # while S^T is on the tensor cores
+            self.load_stored_bits(words, ops.stored, partial, batch, head, position)
         band = None if self.mask_mod is None else band_for(self.mask_mod, acc_S, self.cfg.band_mask, by_key=True)
         early_band = cutlass.const_expr(early_mask and band is not None and words is None)
         band_bits = None
@@ -231,6 +225,13 @@ class BwdStep:
             wgmma(tiled_mma_dq, acc_dQ, *self.dq_operands(ops, ds_stage), True, 0)
             pipe_qdo.consumer_release(state)
             self.reduce_dq(acc_dQ, ops.dq_store_view(), tdQs, tdQg, tma_dq, m_block, order, batch, head, wg)
+
+    @cute.jit
+    def load_stored_bits(self, words, stored, partial, batch: Int32, head: Int32, position: Int32):
+        """This thread's words of the stored mask bits (`mask_bits`) of partial block `position`; none on full ones."""
+        if partial:
+            bits, n_block, row, word = stored
+            load_fragment_bits(words, bits, batch, head, n_block, position, row, word)
 
     def dq_operands(self, ops: StepOperands, ds_stage: Int32) -> tuple:
         """(A, B) of the dQ GEMM: dS and K^T, or K^T and dS for the transposed dQ^T = K^T dS^T (`dq_swap_ab`)."""

@@ -44,9 +44,14 @@ def _float_bits(x: Float32, *, loc=None, ip=None) -> Int32:
                                  has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
-def _count_after(anchor: Float32) -> Int32:
-    """1, computed from `anchor` (2 only for bits no arithmetic produces)."""
-    return cutlass.select_(_float_bits(anchor) == Int32(_NEVER_BITS), Int32(2), Int32(1))
+def _count_after(*anchors: Float32) -> Int32:
+    """1, computed from every value of `anchors` (2 only for bits no arithmetic produces). Several anchors are joined
+    by OR-ing their bits, which keeps them apart from `_NEVER_BITS`: its sign bit is set, and no probability's is
+    (the hardware's NaN is positive)."""
+    bits = _float_bits(anchors[0])
+    for a in anchors[1:]:
+        bits = bits | _float_bits(a)
+    return cutlass.select_(bits == Int32(_NEVER_BITS), Int32(2), Int32(1))
 
 
 @cute.jit
@@ -64,18 +69,10 @@ def release_after(pipe, state, anchor: Float32):
 
 
 @cute.jit
-def arrive_after(mbar, anchors):
+def arrive_after(mbar, anchors: list):
     """One arrive per warp on `mbar`, an mbarrier nobody waits on (initialised with count 1, so every arrive
-    completes a phase), that ptxas cannot schedule before every value of `anchors` (a Float32 or a list of them) is
-    computed: a wgmma wait that follows it in the program stays behind it (`BwdConfig.anchored_wait`). Several
-    anchors are joined by OR-ing their bits, so the count's bits still differ from `_NEVER_BITS` (whose sign bit no
-    probability sets: the hardware's NaN is positive)."""
-    if cutlass.const_expr(isinstance(anchors, (list, tuple))):
-        bits = _float_bits(anchors[0])
-        for a in anchors[1:]:
-            bits = bits | _float_bits(a)
-        count = cutlass.select_(bits == Int32(_NEVER_BITS), Int32(2), Int32(1))
-    else:
-        count = _count_after(anchors)
+    completes a phase), that ptxas cannot schedule before every value of `anchors` is computed: a wgmma wait that
+    follows it in the program stays behind it (`BwdConfig.anchored_wait`)."""
+    count = _count_after(*anchors)
     if cute.arch.lane_idx() == 0:
         cute.arch.mbarrier_arrive(mbar, arrive_count=count)

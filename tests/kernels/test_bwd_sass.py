@@ -8,18 +8,30 @@ import pytest
 pytest.importorskip("cutlass")
 
 
-def _loop(D: int, kind: str):
+def _report(D: int, kind: str, with_bits=None, **config):
+    """(compile report, configuration) of the backward the launcher runs for `kind` (a block mask at torch's default
+    size), with `with_bits` applied to the configuration (`bwd_launch.with_mask_bits`) and then `config` replaced;
+    skips without nvdisasm."""
+    import dataclasses
+
     from bwd_option_report import _mods, compile_ptx, key_for
 
     from flexlab.kernels.bwd_launch import config_for
     from flexlab.viz.compile_report import report_from_ptx
     g, block_sparse, det = _mods(kind)
-    # what the launcher runs for these mods (a block mask at torch's default size)
     cfg = config_for(D, det, g, g is not None and any(g.aux_requires_grad), 128 if block_sparse else None)
+    if with_bits is not None:
+        cfg = with_bits(cfg)
+    cfg = dataclasses.replace(cfg, **config)
     rep = report_from_ptx(compile_ptx(key_for(cfg, g, block_sparse, det), g))
     if rep.missing:
         pytest.skip(f"needs {rep.missing}")
     assert not rep.errors, rep.errors
+    return rep, cfg
+
+
+def _loop(D: int, kind: str):
+    rep, cfg = _report(D, kind)
     return rep.loop_opcodes, cfg
 
 
@@ -98,22 +110,9 @@ def test_bits_before_wait_loads_the_stored_mask_bits_ahead_of_the_stage_wait():
 
 
 def _loop_bodies(D: int, kind: str, with_bits=None, **config) -> list[list[str]]:
-    """SASS of each step loop (those with exponentials) of the backward for `kind` with `config` replaced and, with
-    `with_bits`, that function applied to the configuration first (`bwd_launch.with_mask_bits`)."""
-    import dataclasses
-
-    from bwd_option_report import _mods, compile_ptx, key_for
-
-    from flexlab.kernels.bwd_launch import config_for
-    from flexlab.viz.compile_report import report_from_ptx
-    g, block_sparse, det = _mods(kind)
-    cfg = config_for(D, det, g, g is not None and any(g.aux_requires_grad), 128 if block_sparse else None)
-    if with_bits is not None:
-        cfg = with_bits(cfg)
-    rep = report_from_ptx(compile_ptx(key_for(dataclasses.replace(cfg, **config), g, block_sparse, det), g))
-    if rep.missing:
-        pytest.skip(f"needs {rep.missing}")
-    assert not rep.errors and rep.spill_store_bytes == 0, (rep.errors, rep.spill_store_bytes)
+    """SASS of each step loop (those with exponentials) of `_report`'s kernel, which must not spill."""
+    rep, _ = _report(D, kind, with_bits, **config)
+    assert rep.spill_store_bytes == 0, rep.spill_store_bytes
     return [body for body, opcodes in zip(rep.gemm_loop_bodies, rep.gemm_loops) if opcodes.get("MUFU.EX2")]
 
 
@@ -122,19 +121,9 @@ def test_whole_tiles_of_a_cut_last_wave_run_the_loops_of_a_kernel_without_a_tail
     """`BwdConfig.whole_tiles_only` (the first of the two kernels of a cut last wave) only guards the CTAs of the cut
     tiles: its step loops are the default kernel's, instruction for instruction. (One kernel that also ran the parts
     decoded its tile from a 1-D index and bounded its steps at run time: its whole tiles were 2-4% slower.)"""
-    import dataclasses
-
-    from bwd_option_report import _mods, compile_ptx, key_for
-
-    from flexlab.kernels.bwd_launch import config_for
-    from flexlab.viz.compile_report import report_from_ptx
-    g, block_sparse, det = _mods("dense")
-    cfg = config_for(D, False, None, False, None)
     bodies = []
-    for c in (cfg, dataclasses.replace(cfg, whole_tiles_only=True)):
-        rep = report_from_ptx(compile_ptx(key_for(c, g, block_sparse, det), g))
-        if rep.missing:
-            pytest.skip(f"needs {rep.missing}")
+    for whole_tiles_only in (False, True):
+        rep, _ = _report(D, "dense", whole_tiles_only=whole_tiles_only)
         bodies.append([[ins.split()[0] for ins in body] for body in rep.gemm_loop_bodies])
     assert bodies[0] and bodies[0] == bodies[1]
 
