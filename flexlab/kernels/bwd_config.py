@@ -165,8 +165,10 @@ class BwdConfig:
     stats_before_dp: bool = False
     # `mask_bits`: a partial step's stored bits are loaded before the wait for its Q/dO stage instead of after the
     # S^T and dP^T issues; their wait was 8.8% of the documents B4·S4k kernel's stall samples on an H100
-    # (ncu_bwd_document_b4s4k_source_h100_2026-12-06.csv.gz). Not timed yet.
-    bits_before_wait: bool = False
+    # (ncu_bwd_document_b4s4k_source_h100_2026-12-06.csv.gz). Timed in turns on the H200, 31 rounds: backward
+    # 1.036x paired at documents B4·S4k (forward + backward 1.027x), 1.007x at B1·S16k, 1.002x at D=64 B1·S16k
+    # (bwd_bits_before_wait_probe_h200_2026-12-06b.json.gz); on.
+    bits_before_wait: bool = True
     # dQ is computed transposed, dQ^T = K^T dS^T: the head dim on wgmma's M axis (64 per consumer warpgroup) and
     # the query rows on N, so a step may take any multiple of 16 rows, not only 64 or 128 (`DENSE_TILE_M`).
     dq_swap_ab: bool = False

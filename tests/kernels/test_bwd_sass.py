@@ -97,11 +97,11 @@ def test_anchor_exps_and_early_lse2_form_half_of_p_beside_the_dp_gemm():
 
 
 def test_bits_before_wait_loads_the_stored_mask_bits_ahead_of_the_stage_wait():
-    """`bits_before_wait`: a partial step's stored mask bits (two LDG per thread) are issued before the wait for the
-    step's Q/dO stage, not after the S^T and dP^T issues, where their wait showed in the documents profile."""
+    """`bits_before_wait` (on): a partial step's stored mask bits (two LDG per thread) are issued before the wait for
+    the step's Q/dO stage, not after the S^T and dP^T issues, where their wait showed in the documents profile."""
     from flexlab.kernels.bwd_launch import with_mask_bits
-    for late, early in zip(_loop_bodies(128, "mask", with_bits=with_mask_bits),
-                           _loop_bodies(128, "mask", with_bits=with_mask_bits, bits_before_wait=True)):
+    for late, early in zip(_loop_bodies(128, "mask", with_bits=with_mask_bits, bits_before_wait=False),
+                           _loop_bodies(128, "mask", with_bits=with_mask_bits)):
         def loads_before_wait(body):  # (the block-list walk's loads count in both)
             wait = next(i for i, ins in enumerate(body) if ins.startswith("SYNCS"))
             return sum(ins.startswith("LDG") for ins in body[:wait])
