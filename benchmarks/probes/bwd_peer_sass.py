@@ -2,6 +2,7 @@
 
     python benchmarks/probes/bwd_peer_sass.py causal 128
     python benchmarks/probes/bwd_peer_sass.py dense 128 --json step_loops.json
+    python benchmarks/probes/bwd_peer_sass.py sliding_window 128   # the benchmark's window of 1024 keys
 
 flash-attn-4 compiles its kernels for sm_90a under torch's fake tensors when told the target
 (FLASH_ATTENTION_ARCH, CUTE_DSL_ARCH, set here), so its main backward kernel's PTX can be assembled and disassembled
@@ -46,8 +47,9 @@ def step_loops(ptx: str) -> dict:
 
 
 def peer_ptx(variant: str, head_dim: int, seqlen: int, dump: str) -> str:
-    """PTX of FA4's main sm90 backward kernel for a dense or causal B1·H16 problem; the DSL keeps it in `dump`
-    (`CUTE_DSL_DUMP_DIR`, set by `main` before cutlass is imported)."""
+    """PTX of FA4's main sm90 backward kernel for a dense, causal or sliding-window B1·H16 problem (the window as the
+    benchmark spells it for FA4); the DSL keeps it in `dump` (`CUTE_DSL_DUMP_DIR`, set by `main` before cutlass is
+    imported)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
     try:
@@ -58,7 +60,10 @@ def peer_ptx(variant: str, head_dim: int, seqlen: int, dump: str) -> str:
         q, k, v, out, dout = (torch.empty(1, seqlen, 16, head_dim, dtype=torch.bfloat16, device="cuda")
                               for _ in range(5))
         lse = torch.empty(1, 16, seqlen, dtype=torch.float32, device="cuda")
-        interface._flash_attn_bwd(q, k, v, out, dout, lse, causal=variant == "causal")
+        window = {}
+        if variant == "sliding_window":
+            window = dict(zip(("window_size_left", "window_size_right"), fa4_window()))
+        interface._flash_attn_bwd(q, k, v, out, dout, lse, causal=variant != "dense", **window)
     found = glob.glob(os.path.join(dump, "*BackwardSm90*.ptx"))
     if not found:
         raise SystemExit("FA4 compiled no sm90 backward kernel (is FLASH_ATTENTION_ARCH honoured?)")
@@ -66,15 +71,27 @@ def peer_ptx(variant: str, head_dim: int, seqlen: int, dump: str) -> str:
         return f.read()
 
 
+def fa4_window() -> tuple[int, int]:
+    from flexlab.bench.cases import SLIDING_WINDOW
+    return SLIDING_WINDOW - 1, 0  # (the gallery's window counts the query itself, FA4's left window does not)
+
+
 def our_ptx(variant: str, head_dim: int) -> str:
-    """PTX of the main backward kernel the launcher runs for this variant (causal: torch's default 128 block mask)."""
+    """PTX of the main backward kernel the launcher runs for this variant (masked: torch's default 128 block mask)."""
     from flexlab.codegen import generate
     from flexlab.kernels.bwd_launch import compile_main, config_for, main_key
 
     def causal(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
 
-    g = generate(None, causal, fastmath=True) if variant == "causal" else None
+    mask_mod = None
+    if variant == "causal":
+        mask_mod = causal
+    elif variant == "sliding_window":
+        from flexlab.bench.cases import SLIDING_WINDOW
+        from gallery.sliding_window import generate_sliding_window
+        mask_mod = generate_sliding_window(SLIDING_WINDOW)
+    g = generate(None, mask_mod, fastmath=True) if mask_mod is not None else None
     block_sparse = g is not None
     cfg = config_for(head_dim, False, g, False, 128 if block_sparse else None)
     key = main_key(g, g.kernel_aux_tensors() if g is not None else (), [], "bfloat16", cfg, block_sparse, False)
@@ -86,7 +103,7 @@ def our_ptx(variant: str, head_dim: int) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("variant", choices=("dense", "causal"))
+    ap.add_argument("variant", choices=("dense", "causal", "sliding_window"))
     ap.add_argument("head_dim", type=int, choices=(64, 128))
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--json", help="also write the summaries here")
