@@ -68,7 +68,8 @@ def main() -> None:
                "useful_fa4": round(kept / (varlen * TILE_Q * TILE_KV), 3)}
         rows.append(row)
         print(f"{row['row']}: flexlab {row['flexlab_steps']} steps per head ({partial} partial), FA4 varlen "
-              f"{varlen}: {row['ratio']}x; key tiles at document starts {key_aligned}; scores kept {row['useful_flexlab']:.1%} / {row['useful_fa4']:.1%}")
+              f"{varlen}: {row['ratio']}x; key tiles at document starts {key_aligned}; scores kept "
+              f"{row['useful_flexlab']:.1%} / {row['useful_fa4']:.1%}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -160,8 +160,10 @@ class BwdConfig:
     # samples on an H100, ncu_bwd_causal_b1s16k_source_h100_2026-12-06.csv.gz). Alone (a branch then): 0.98-1.02x
     # of the default's main kernel on the H200 (bwd_stats_before_dp_h200_2026-12-01.json.gz), as ptxas still waits
     # for dP^T before every exponential; with `anchored_wait` and `anchor_exps=16` (the sweep's `fa4_step_order`,
-    # FA4's order) not timed yet. With a score_mod derivative and captured-tensor gradients the rows held across
-    # the dP^T issue raise spills (learnable bias, tests/kernels/bwd_option_report.py: 72 -> 232 bytes at D=128).
+    # FA4's order) level too: the default's backward 1.001x and 1.002x paired against it on causal B1·S16k and
+    # B4·S4k, 1.006x against anchor_exps=32 (bwd_fa4_step_order{,_anchor32}_probe_h200_2026-12-06.json.gz); off.
+    # With a score_mod derivative and captured-tensor gradients the rows held across the dP^T issue raise spills
+    # (learnable bias, tests/kernels/bwd_option_report.py: 72 -> 232 bytes at D=128).
     stats_before_dp: bool = False
     # `mask_bits`: a partial step's stored bits are loaded before the wait for its Q/dO stage instead of after the
     # S^T and dP^T issues; their wait was 8.8% of the documents B4·S4k kernel's stall samples on an H100
