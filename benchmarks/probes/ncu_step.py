@@ -10,8 +10,13 @@ Stall reasons per issued instruction (what splits a gap in cycles per instructio
         python benchmarks/probes/ncu_step.py causal 1 16384 128 fa4
 
 Each backend runs the step twice (the first compiles); profile the second with `--launch-skip`/`--launch-count` or
-keep both. `--forward` (anywhere in the arguments) runs the forward alone, without autograd. The peer (fifth argument) is `fa4` (flash_attn.cute called directly; runs only when it imports and spells
-the variant) or `flex-flash` (torch's flex_attention with BACKEND=FLASH, FA4's kernels with its block-sparse tiles).
+keep both. `--forward` (anywhere in the arguments) runs the forward alone, without autograd. The peer (fifth
+argument) is `fa4` (flash_attn.cute called directly; runs only when it imports and spells the variant) or
+`flex-flash` (torch's flex_attention with BACKEND=FLASH, FA4's kernels with its block-sparse tiles).
+`--field NAME[=VALUE],...` runs flexlab's backward (with `--forward`, forward) with those configuration fields
+flipped or set, as `option_probe.py --field` does, so a profile can show where an option moves the stalls:
+
+    ncu ... python benchmarks/probes/ncu_step.py causal 1 16384 128 fa4 --field stats_before_dp
 """
 from __future__ import annotations
 
@@ -21,8 +26,12 @@ import torch
 
 
 def main(variant: str = "dense", B: int = 4, S: int = 4096, D: int = 128, peer: str = "fa4", H: int = 16,
-         forward_only: bool = False) -> None:
+         forward_only: bool = False, fields: list[str] | None = None) -> None:
     import flexlab
+    if fields:
+        from option_probe import Switch  # (this directory is on the path when the script runs)
+        switch = Switch(fields, forward_only)
+        switch.use("flipped")
     from flexlab.bench.cases import build_case
     from flexlab.bench.peers import Unavailable, prepare_fa4, prepare_flex_flash
 
@@ -36,6 +45,8 @@ def main(variant: str = "dense", B: int = 4, S: int = 4096, D: int = 128, peer: 
         if grad:
             out.backward(dout)
     torch.cuda.synchronize()
+    if fields and not switch.asked[0]:
+        raise SystemExit(f"--field {','.join(fields)}: the launcher planned no configuration to change")
     try:
         prep = (prepare_flex_flash if peer == "flex-flash" else prepare_fa4)(case, q, k, v, bm, grad)
     except Unavailable as e:
@@ -49,5 +60,10 @@ def main(variant: str = "dense", B: int = 4, S: int = 4096, D: int = 128, peer: 
 
 
 if __name__ == "__main__":
-    a = [x for x in sys.argv[1:] if x != "--forward"]
-    main(a[0] if a else "dense", *(int(x) for x in a[1:4]), *a[4:5], forward_only="--forward" in sys.argv)
+    argv, fields = sys.argv[1:], None
+    if "--field" in argv:
+        i = argv.index("--field")
+        fields = argv[i + 1].split(",")
+        del argv[i:i + 2]
+    a = [x for x in argv if x != "--forward"]
+    main(a[0] if a else "dense", *(int(x) for x in a[1:4]), *a[4:5], forward_only="--forward" in argv, fields=fields)
