@@ -94,6 +94,19 @@ class KvSchedule(Carried):
             return n
 
     @cute.jit
+    def partial_block(self, i: Int32) -> Int32:
+        """`block(i)` on a partial step, 0 on a full one: for a caller that uses the index on partial steps alone
+        (a full step then reads no list)."""
+        if cutlass.const_expr(self.sparse is None):
+            return self._dense(i)
+        else:
+            _, kv_idx, _, _ = self.sparse
+            n = Int32(0)
+            if i < self.num_partial:
+                n = Int32(kv_idx[self.b, self.h, self.m, i])
+            return n
+
+    @cute.jit
     def block_of_kind(self, i: Int32, partial: cutlass.Constexpr[bool]) -> Int32:
         """`block(i)` where the caller's loop already knows whether step i is a partial block (no branch)."""
         if cutlass.const_expr(self.sparse is None):

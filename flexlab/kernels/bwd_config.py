@@ -171,6 +171,17 @@ class BwdConfig:
     # 1.036x paired at documents B4·S4k (forward + backward 1.027x), 1.007x at B1·S16k, 1.002x at D=64 B1·S16k
     # (bwd_bits_before_wait_probe_h200_2026-12-06b.json.gz); on.
     bits_before_wait: bool = True
+    # The dS store's shared-memory address (this thread's stmatrix slots) stays live through the step loop instead
+    # of being rebuilt from the thread index in every step where registers were tight (`FlexBwdSm90.consume`): ~26
+    # integer instructions, an S2R among them, between the dP^T wait and the dV GEMM's issue. CPU compile, D=128
+    # step loops: causal 558 -> 532 SASS instructions, dense 502 -> 478 (FA4's: 441 causal, masking every step,
+    # 463 dense; it keeps the address in one register), both 0 spill bytes.
+    ds_store_live: bool = False
+    # Block-sparse: the consumers read a step's query-tile index only where they use it, on partial steps (mask
+    # coordinates, stored bits); full steps skip the list read and its address arithmetic (~30 instructions, uniform
+    # datapath). The producer and the dQ warp still read every index. Needs `dq_warp`, rows in shared memory and a
+    # non-deterministic kernel (where the consumers use the index on every step).
+    partial_index_only: bool = False
     # dQ is computed transposed, dQ^T = K^T dS^T: the head dim on wgmma's M axis (64 per consumer warpgroup) and
     # the query rows on N, so a step may take any multiple of 16 rows, not only 64 or 128 (`DENSE_TILE_M`).
     dq_swap_ab: bool = False

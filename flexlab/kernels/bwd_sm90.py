@@ -140,6 +140,11 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         self.dq_warp = cfg.dq_warp
         self.dq_red = cfg.dq_red
         self.persistent = cfg.persistent
+        # `BwdConfig.partial_index_only`, where the consumers use a step's query-tile index on partial steps alone:
+        # no score_mod (it reads the query index of every score), the dQ partial handed to the dQ warp, the LSE2/D
+        # rows read from shared memory, no deterministic turns (they are keyed by the tile).
+        self.partial_index_only = (cfg.partial_index_only and score_mod is None and self.dq_warp and not self.dq_red
+                                   and self.stats_in_smem and not deterministic)
         if (cfg.split_tail or cfg.whole_tiles_only) and deterministic:
             raise ValueError("split_tail adds a cut tile's dK and dV in whichever order its parts finish, and its "
                              "parts' dQ turns would not follow the launch order: not in deterministic mode")
@@ -470,7 +475,7 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
                            dq_store_view=dq_store_view, sLSE2=sLSE2, sDpsum=sDpsum, stored=None,
                            anchor_mbar=storage.mbar_anchor.data_ptr() if self.cfg.anchored_wait else None)
         tight = self.stats_in_smem and (sparse is not None or self.tile_m > 64)
-        if cutlass.const_expr(self.rebuild_ds_store or tight):
+        if cutlass.const_expr((self.rebuild_ds_store or tight) and not self.cfg.ds_store_live):
             ops.tdSsdS = None
             ops.ds_store_view = lambda: cute.make_tiled_copy_C(st_ds, tiled_mma_sdp).get_slice(
                 opaque_i32(cute.arch.thread_idx()[0]) - 128).partition_D(transpose_smem(sdS))
@@ -583,7 +588,10 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         each block's kind at run time."""
         for i in cutlass.range(start, stop, unroll=1):
             if cutlass.const_expr(partial is None):
-                self.step(sched.block(i), i < sched.num_partial, i, state, ds_index, *step_args)
+                m_block = sched.partial_block(i) if cutlass.const_expr(self.partial_index_only) else sched.block(i)
+                self.step(m_block, i < sched.num_partial, i, state, ds_index, *step_args)
+            elif cutlass.const_expr(self.partial_index_only and not partial):
+                self.step(Int32(0), partial, i, state, ds_index, *step_args)  # (the index is not read)
             else:
                 self.step(sched.block_of_kind(i, partial), partial, i, state, ds_index, *step_args)
             state.advance()
