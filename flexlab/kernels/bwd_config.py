@@ -175,13 +175,19 @@ class BwdConfig:
     # of being rebuilt from the thread index in every step where registers were tight (`FlexBwdSm90.consume`): ~26
     # integer instructions, an S2R among them, between the dP^T wait and the dV GEMM's issue. CPU compile, D=128
     # step loops: causal 558 -> 532 SASS instructions, dense 502 -> 478 (FA4's: 441 causal, masking every step,
-    # 463 dense; it keeps the address in one register), both 0 spill bytes.
+    # 463 dense; it keeps the address in one register), both 0 spill bytes. Slower all the same: timed in turns on an
+    # H100, 15 rounds, the default's backward 1.005x paired against it on causal B4·S4k, 1.003x sliding window
+    # B1·S16k, 1.014x documents B4·S4k, 1.028x dense B4·S4k, 1.019x D=64 causal B1·S16k, 0.993x causal B1·S16k
+    # (bwd_ds_store_live_probe_h100_2026-12-07.json.gz): the fewer instructions do not pay for the register; off.
     ds_store_live: bool = False
     # Block-sparse: the consumers read a step's query-tile index only where they use it, on partial steps (mask
     # coordinates, stored bits); full steps skip the list read and its address arithmetic (~30 instructions, uniform
     # datapath). The producer and the dQ warp still read every index. Needs `dq_warp`, rows in shared memory and a
-    # non-deterministic kernel (where the consumers use the index on every step).
-    partial_index_only: bool = False
+    # non-deterministic kernel (where the consumers use the index on every step). Timed in turns on an H100 (two runs,
+    # 21 and 31 rounds; bwd_partial_index_only_probe_h100_2026-12-07{,b}.json.gz), backward paired: causal B4·S4k
+    # 1.008x and 1.004x, causal B1·S16k 1.015x and 1.012x, sliding window B1·S16k 1.005x and 1.009x, D=64 causal
+    # 1.004x; on. Not with stored mask bits (documents B4·S4k 0.993x and 0.996x, B1·S16k 0.998x).
+    partial_index_only: bool = True
     # dQ is computed transposed, dQ^T = K^T dS^T: the head dim on wgmma's M axis (64 per consumer warpgroup) and
     # the query rows on N, so a step may take any multiple of 16 rows, not only 64 or 128 (`DENSE_TILE_M`).
     dq_swap_ab: bool = False

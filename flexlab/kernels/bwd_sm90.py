@@ -142,9 +142,10 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         self.persistent = cfg.persistent
         # `BwdConfig.partial_index_only`, where the consumers use a step's query-tile index on partial steps alone:
         # no score_mod (it reads the query index of every score), the dQ partial handed to the dQ warp, the LSE2/D
-        # rows read from shared memory, no deterministic turns (they are keyed by the tile).
+        # rows read from shared memory, no deterministic turns (they are keyed by the tile); not with stored mask
+        # bits, where it measured level to slower.
         self.partial_index_only = (cfg.partial_index_only and score_mod is None and self.dq_warp and not self.dq_red
-                                   and self.stats_in_smem and not deterministic)
+                                   and self.stats_in_smem and not deterministic and not cfg.mask_bits)
         if (cfg.split_tail or cfg.whole_tiles_only) and deterministic:
             raise ValueError("split_tail adds a cut tile's dK and dV in whichever order its parts finish, and its "
                              "parts' dQ turns would not follow the launch order: not in deterministic mode")
