@@ -3,6 +3,7 @@
     python benchmarks/probes/bwd_peer_sass.py causal 128
     python benchmarks/probes/bwd_peer_sass.py dense 128 --json step_loops.json
     python benchmarks/probes/bwd_peer_sass.py sliding_window 128   # the benchmark's window of 1024 keys
+    python benchmarks/probes/bwd_peer_sass.py causal 128 --liveness  # and registers live at once per step loop
 
 flash-attn-4 compiles its kernels for sm_90a under torch's fake tensors when told the target
 (FLASH_ATTENTION_ARCH, CUTE_DSL_ARCH, set here), so its main backward kernel's PTX can be assembled and disassembled
@@ -44,6 +45,48 @@ def step_loops(ptx: str) -> dict:
                       "lds": sum(n for op, n in ops.items() if op.startswith("LDS")),
                       "top": ops.most_common(12)})
     return {"registers": rep.registers, "spill_store_bytes": rep.spill_store_bytes, "loops": loops}
+
+
+def live_registers(ptx: str) -> list[dict]:
+    """Live registers per instruction of the innermost step loop (ptxas, then `nvdisasm -lrm count`): the most and
+    the mean of general registers live at once, and the most uniform ones. Where two kernels' steps differ in schedule, this
+    says whether register pressure can be why."""
+    import re
+    import statistics
+    import subprocess
+
+    from flexlab.viz.compile_report import find_tool
+    ptxas, nvdisasm = find_tool("ptxas"), find_tool("nvdisasm")
+    if ptxas is None or nvdisasm is None:
+        raise SystemExit("--liveness needs ptxas and nvdisasm")
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(src, "w") as f:
+            f.write(ptx)
+        subprocess.run([ptxas, "-arch=sm_90a", src, "-o", cubin], check=True)
+        text = subprocess.run([nvdisasm, "-lrm", "count", "-c", cubin], capture_output=True, text=True,
+                              check=True).stdout
+    ins, labels = [], {}  # (instruction, live GPRs, live uniform registers); label -> index
+    for line in text.splitlines():
+        if m := re.match(r"^\s*(\.L_x_\d+):", line):
+            labels[m.group(1)] = len(ins)
+        elif m := re.match(r"\s*/\*[0-9a-f]+\*/\s+(.*?);\s*//\s*\|\s*(\d*)\s*\|\s*\d*\s*\|\s*(\d*)\s*\|", line):
+            ins.append((m.group(1).strip(), int(m.group(2) or 0), int(m.group(3) or 0)))
+    loops = []
+    for end, (text_i, _, _) in enumerate(ins):  # a step loop: a backward branch over HGMMA and exponentials
+        m = re.search(r"BRA `\((\.L_x_\d+)\)", text_i)
+        start = labels.get(m.group(1)) if m else None
+        if start is None or start >= end:
+            continue
+        body = ins[start:end + 1]
+        if sum(t.startswith("HGMMA") for t, _, _ in body) >= 16 and any("MUFU.EX2" in t for t, _, _ in body):
+            gprs = [g for _, g, _ in body]
+            loops.append({"span": (start, end), "instructions": len(body), "gpr_max": max(gprs),
+                          "gpr_mean": round(statistics.mean(gprs), 1), "uniform_max": max(u for _, _, u in body)})
+    # the shortest: the step loop itself, not a loop over tiles or heads around it, nor a wait's slow path placed
+    # after the kernel's end that branches back into it
+    shortest = min(loops, key=lambda loop: loop["instructions"])
+    return [{k: v for k, v in shortest.items() if k != "span"}]
 
 
 def peer_ptx(variant: str, head_dim: int, seqlen: int, dump: str) -> str:
@@ -107,16 +150,24 @@ def main() -> None:
     ap.add_argument("head_dim", type=int, choices=(64, 128))
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--json", help="also write the summaries here")
+    ap.add_argument("--liveness", action="store_true", help="also registers live at once in the step loops")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as dump:
         os.environ.update(PEER_TARGET, CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=dump)
-        result = {"flexlab": step_loops(our_ptx(args.variant, args.head_dim)),
-                  "fa4": step_loops(peer_ptx(args.variant, args.head_dim, args.seqlen, dump))}
+        ptx = {"flexlab": our_ptx(args.variant, args.head_dim),
+               "fa4": peer_ptx(args.variant, args.head_dim, args.seqlen, dump)}
+    result = {name: step_loops(text) for name, text in ptx.items()}
+    if args.liveness:
+        for name, text in ptx.items():
+            result[name]["liveness"] = live_registers(text)
     for name, rec in result.items():
         print(f"{name}: {rec['registers']} registers, {rec['spill_store_bytes']} spill bytes")
         for i, loop in enumerate(rec["loops"]):
             print(f"  loop {i}: {loop['instructions']} instructions, {loop['hgmma']} HGMMA, {loop['lds']} LDS, "
                   f"{loop['exp2_before_dp_wait']} of {loop['exp2']} exponentials before the dP wait")
+        for live in rec.get("liveness", ()):
+            print(f"  live registers over a {live['instructions']}-instruction step loop: at most {live['gpr_max']} "
+                  f"(mean {live['gpr_mean']}), uniform at most {live['uniform_max']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"variant": args.variant, "head_dim": args.head_dim, **result}, f, indent=1)
