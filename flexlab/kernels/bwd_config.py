@@ -188,6 +188,11 @@ class BwdConfig:
     # 1.008x and 1.004x, causal B1·S16k 1.015x and 1.012x, sliding window B1·S16k 1.005x and 1.009x, D=64 causal
     # 1.004x; on. Not with stored mask bits (documents B4·S4k 0.993x and 0.996x, B1·S16k 0.998x).
     partial_index_only: bool = True
+    # Q (with the LSE2 rows) and dO (with the D rows) land on separate barriers of each Q/dO stage, and a step waits
+    # for dO only before it issues dP^T = V dO^T, so S^T starts as soon as Q is there (FA4's sm90 backward waits
+    # for the two apart; `stage_waits.QdoStages`). Not in the lean plan (score_mod gradients at D=128), where it
+    # spilled. CPU compile: one more wait per step, no spills (tests/kernels/test_bwd_options.py). Not yet timed; off.
+    split_qdo_wait: bool = False
     # dQ is computed transposed, dQ^T = K^T dS^T: the head dim on wgmma's M axis (64 per consumer warpgroup) and
     # the query rows on N, so a step may take any multiple of 16 rows, not only 64 or 128 (`DENSE_TILE_M`).
     dq_swap_ab: bool = False
@@ -300,7 +305,8 @@ class BwdConfig:
         tile buffer aligned to 1 KiB (the 128-byte swizzle repeats every 1 KiB)."""
         def up(n):
             return -(-n // 1024) * 1024
-        head = 8 * (2 + 2 * self.num_stages + self.anchored_wait)  # mbarriers: K/V, Q/dO per stage, the anchor
+        # mbarriers: K/V, Q/dO per stage (a second set for dO with `split_qdo_wait`), the anchor
+        head = 8 * (2 + 2 * self.num_stages * (1 + self.split_qdo_wait) + self.anchored_wait)
         if self.persistent:  # the tile slots: two mbarriers and TILE_SLOT_WORDS words each
             head += TILE_SLOTS * (16 + 4 * TILE_SLOT_WORDS)
         if self.split_tail:  # the flag that says which part of a cut tile came last

@@ -93,10 +93,11 @@ class BwdProducer:
                 m_block = sched.block(i)
                 acquire_empty(pipe_qdo, state, self.try_wait_first)
                 bar = pipe_qdo.producer_get_barrier(state)
+                bar_do = pipe_qdo.do_barrier(state) if cutlass.const_expr(self.split_qdo) else bar
                 cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
-                cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar)
+                cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar_do)
                 if cutlass.const_expr(stats is not None):
-                    self.load_row_stats(stats, batch, head, m_block, state.index, bar)
+                    self.load_row_stats(stats, batch, head, m_block, state.index, bar, bar_do)
                 state.advance()
         return kv_state, state
 
@@ -111,17 +112,17 @@ class BwdProducer:
         return KvSchedule(sparse, batch, head, n_block, num_m_blocks, part=part)
 
     @cute.jit
-    def load_row_stats(self, stats, batch: Int32, head: Int32, m_block: Int32, stage: Int32, bar):
-        """LSE2 and D of the step's tile_m query rows -> this stage's slots (bulk copies on the stage barrier, whose
-        expected byte count includes them: `FlexBwdSm90.stats_bytes`).
+    def load_row_stats(self, stats, batch: Int32, head: Int32, m_block: Int32, stage: Int32, bar, bar_do):
+        """LSE2 and D of the step's tile_m query rows -> this stage's slots (bulk copies on the stage barriers, LSE2's
+        with Q on `bar`, D's with dO on `bar_do`, whose expected byte counts include them: `FlexBwdSm90.stats_bytes`).
 
         The rows exist for every listed query tile: the launcher pads both buffers to whole tiles (and mask blocks).
         Non-tensor bulk copies are not elected by the DSL, so one lane issues them."""
         mLSE2, mDpsum, sLSE2, sDpsum = stats
         atom = cute.make_copy_atom(cpasync.CopyBulkG2SOp(), mLSE2.element_type)
-        pairs = ((mLSE2, sLSE2), (mDpsum, sDpsum))
+        pairs = ((mLSE2, sLSE2, bar), (mDpsum, sDpsum, bar_do))
         with cute.arch.elect_one():
             for k in cutlass.range_constexpr(2):
-                src, dst = pairs[k]
+                src, dst, on = pairs[k]
                 rows = cute.local_tile(src[batch, head, None], (self.tile_m,), (m_block,))
-                cute.copy(atom, cute.group_modes(rows, 0, 1), cute.group_modes(dst[None, stage], 0, 1), mbar_ptr=bar)
+                cute.copy(atom, cute.group_modes(rows, 0, 1), cute.group_modes(dst[None, stage], 0, 1), mbar_ptr=on)

@@ -77,6 +77,7 @@ from .config import TILE_SLOT_WORDS, TILE_SLOTS
 from .layout import bshd_view, convert_to_16bit, tma_tiles, transpose_smem
 from .named_barrier import BwdBarrier
 from .split_tail import TailPiece, add_parts, publish_sums
+from .stage_waits import QdoStages
 from .tile_scheduler import consumer_state_at, take_tile
 
 __all__ = ["BwdBarrier", "FlexBwdSm90", "dq_issuer", "fake_arguments"]
@@ -137,6 +138,9 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         self.lean = ((self.needs_raw_scores or aux_grad is not None) and self.head_dim + self.tile_m > 128
                      and not self.split)
         self.early_dv = cfg.early_dv and not self.lean  # (the lean plan issues dV early in its own way)
+        # `BwdConfig.split_qdo_wait` outside the lean plan: there the second wait, after P is formed, spilled 16 bytes
+        # (learnable relative bias at D=128)
+        self.split_qdo = cfg.split_qdo_wait and not self.lean
         self.dq_warp = cfg.dq_warp
         self.dq_red = cfg.dq_red
         self.persistent = cfg.persistent
@@ -162,6 +166,8 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         LSE2/D rows first, then the tile buffers, 1 KiB aligned for the 128-byte swizzle."""
         Align, MemRange = cute.struct.Align, cute.struct.MemRange
         fields = {"mbar_kv": MemRange[Int64, 2], "mbar_qdo": MemRange[Int64, 2 * self.num_stages]}
+        if self.split_qdo:  # dO's own full and empty barriers (`stage_waits.QdoStages`)
+            fields["mbar_do"] = MemRange[Int64, 2 * self.num_stages]
         if self.cfg.anchored_wait:  # nobody waits on it (`stage_waits.arrive_after`)
             fields["mbar_anchor"] = MemRange[Int64, 1]
         if self.persistent:  # the producer warp's tile hand-over (`tile_scheduler.hand_over_words`)
@@ -309,9 +315,16 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         pipe_kv = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_kv.data_ptr(), num_stages=1, producer_group=tma_thread,
             consumer_group=consumer_warps, tx_count=2 * kv_bytes, defer_sync=True)
-        pipe_qdo = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_qdo.data_ptr(), num_stages=self.num_stages, producer_group=tma_thread,
-            consumer_group=consumer_warps, tx_count=2 * q_bytes + self.stats_bytes(), defer_sync=True)
+        if cutlass.const_expr(self.split_qdo):  # Q + LSE2 rows, dO + D rows on barriers of their own
+            halves = [pipeline.PipelineTmaAsync.create(
+                barrier_storage=bars.data_ptr(), num_stages=self.num_stages, producer_group=tma_thread,
+                consumer_group=consumer_warps, tx_count=q_bytes + self.stats_bytes() // 2, defer_sync=True)
+                for bars in (storage.mbar_qdo, storage.mbar_do)]
+            pipe_qdo = QdoStages(*halves)
+        else:
+            pipe_qdo = pipeline.PipelineTmaAsync.create(
+                barrier_storage=storage.mbar_qdo.data_ptr(), num_stages=self.num_stages, producer_group=tma_thread,
+                consumer_group=consumer_warps, tx_count=2 * q_bytes + self.stats_bytes(), defer_sync=True)
         if cutlass.const_expr(self.cfg.anchored_wait):
             if warp_idx == 0:
                 with cute.arch.elect_one():

@@ -88,6 +88,7 @@ class BwdStep:
             for j in cutlass.range_constexpr(cute.size(c_cols, mode=[1])):
                 early_lse2.append(self.row_stat(mLSE2, ops.sLSE2, batch, head, q_start, c_cols[0, j][0], stage))
         if cutlass.const_expr(not self.lean):
+            self.wait_do(pipe_qdo, state)
             wgmma(tiled_mma_sdp, acc_dP, ops.tPrV, ops.tPrdO[None, None, None, stage], True, -1)
         early_mask = cutlass.const_expr(self.mask_early and self.mask_mod is not None)
         if cutlass.const_expr(words is not None and not self.cfg.bits_before_wait):  # while S^T is on the tensor cores
@@ -225,6 +226,12 @@ class BwdStep:
             wgmma(tiled_mma_dq, acc_dQ, *self.dq_operands(ops, ds_stage), True, 0)
             pipe_qdo.consumer_release(state)
             self.reduce_dq(acc_dQ, ops.dq_store_view(), tdQs, tdQg, tma_dq, m_block, order, batch, head, wg)
+
+    def wait_do(self, pipe_qdo, state):
+        """With `split_qdo_wait` (outside the lean plan), the wait for this stage's dO and D rows before dP^T, the first
+        GEMM that reads dO; the stage wait at the top of the step covered both otherwise."""
+        if cutlass.const_expr(self.split_qdo):
+            pipe_qdo.wait_do(state)
 
     @cute.jit
     def load_stored_bits(self, words, stored, partial, batch: Int32, head: Int32, position: Int32):

@@ -11,6 +11,9 @@ and the wait behind it, until that value exists: the one handle we have on where
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
@@ -76,3 +79,42 @@ def arrive_after(mbar, anchors: list):
     count = _count_after(*anchors)
     if cute.arch.lane_idx() == 0:
         cute.arch.mbarrier_arrive(mbar, arrive_count=count)
+
+
+@dataclass(frozen=True)
+class QdoStages:
+    """The backward's Q/dO ring with Q and dO landing on separate barriers (`BwdConfig.split_qdo_wait`), shaped like
+    the one pipeline it replaces: `q` (Q and the LSE2 rows) is what `consumer_wait` waits for and
+    `producer_get_barrier` returns; `do` (dO and the D rows) has its own wait (`wait_do`) and barrier (`do_barrier`);
+    both stages are claimed and released together, so one pipeline state walks both. (A dataclass, as the DSL's
+    pipelines are, so that a loop can carry it.)"""
+
+    q: Any
+    do: Any
+
+    def producer_try_acquire(self, state):
+        return self.q.producer_try_acquire(state)
+
+    def producer_acquire(self, state, try_token=None):
+        self.q.producer_acquire(state, try_token)
+        self.do.producer_acquire(state)
+
+    def producer_get_barrier(self, state):
+        return self.q.producer_get_barrier(state)
+
+    def do_barrier(self, state):
+        return self.do.producer_get_barrier(state)
+
+    def consumer_try_wait(self, state):
+        return self.q.consumer_try_wait(state)
+
+    def consumer_wait(self, state, try_token=None):
+        self.q.consumer_wait(state, try_token)
+
+    def wait_do(self, state):
+        self.do.consumer_wait(state)
+
+    def consumer_release(self, state):
+        self.q.consumer_release(state)
+        self.do.consumer_release(state)
+

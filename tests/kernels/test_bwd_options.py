@@ -87,7 +87,9 @@ def _check_sync(ptx, cfg):
     from test_bwd_sync import _expect_tx_bytes, _mbarrier_init_counts, check_barrier_plan, divergent_collectives
     assert divergent_collectives(ptx) == []
     stats = 2 * cfg.tile_m * 4 if cfg.stats_in_smem else 0
-    assert _expect_tx_bytes(ptx) == {2 * cfg.tile_n * cfg.head_dim * 2, 2 * cfg.tile_m * cfg.head_dim * 2 + stats}
+    q_do = 2 * cfg.tile_m * cfg.head_dim * 2 + stats
+    # (`split_qdo_wait`: Q with the LSE2 rows and dO with the D rows, each on its own barrier)
+    assert _expect_tx_bytes(ptx) == {2 * cfg.tile_n * cfg.head_dim * 2, q_do // 2 if cfg.split_qdo_wait else q_do}
     # (persistent CTAs: the tile slots are released by every consumer thread and the dQ warp's lanes)
     slots = {128 * cfg.num_consumer_wgs + 32} if cfg.persistent else set()
     assert _mbarrier_init_counts(ptx) == {1, 4 * cfg.num_consumer_wgs} | slots
@@ -154,6 +156,14 @@ CELLS = [  # (name, head dim, options, kernel flavour): each option in a few fla
     ("kind_loops-det_mask", 128, dict(kind_loops=True), "det_mask"),
     ("kind_loops-bias", 128, dict(kind_loops=True), "bias"),
     ("kind_loops-persistent-mask-d64", 64, dict(kind_loops=True, persistent_ctas=132), "mask"),
+    # Q and dO on barriers of their own, dO waited for before dP^T (the lean plan, score_mod gradients at D=128,
+    # keeps one barrier)
+    ("split_qdo_wait-mask", 128, dict(split_qdo_wait=True), "mask"),
+    ("split_qdo_wait-dense-d64", 64, dict(split_qdo_wait=True), "dense"),
+    ("split_qdo_wait-bias-d64", 64, dict(split_qdo_wait=True, tile_m=64, dq_split_rows=False), "bias"),
+    ("split_qdo_wait-det_mask", 128, dict(split_qdo_wait=True), "det_mask"),
+    ("split_qdo_wait-persistent-mask", 128, dict(split_qdo_wait=True, persistent_ctas=132), "mask"),
+    ("split_qdo_wait-stats_from_global-dense", 128, dict(split_qdo_wait=True, stats_in_smem=False), "dense"),
 ]
 
 
