@@ -190,7 +190,8 @@ class BwdConfig:
     partial_index_only: bool = True
     # Q (with the LSE2 rows) and dO (with the D rows) land on separate barriers of each Q/dO stage, and a step waits
     # for dO only before it issues dP^T = V dO^T, so S^T starts as soon as Q is there (FA4's sm90 backward waits
-    # for the two apart; `stage_waits.QdoStages`). Not in the lean plan (score_mod gradients at D=128), where it
+    # for the two apart; `stage_waits.QdoStages`), and dO's half of the stage is released once the dV GEMM, its last
+    # reader, is done, before Q's, which dK still reads (FA4 releases them apart too). Not in the lean plan (score_mod gradients at D=128), where it
     # spilled. CPU compile: one more wait per step, no spills (tests/kernels/test_bwd_options.py). Not yet timed; off.
     split_qdo_wait: bool = False
     # dQ is computed transposed, dQ^T = K^T dS^T: the head dim on wgmma's M axis (64 per consumer warpgroup) and

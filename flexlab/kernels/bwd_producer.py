@@ -91,11 +91,18 @@ class BwdProducer:
             sched = self.head_schedule(sparse, batch, head, g, n_block, num_m_blocks, piece)
             for i in cutlass.range(sched.total, unroll=1):
                 m_block = sched.block(i)
-                acquire_empty(pipe_qdo, state, self.try_wait_first)
-                bar = pipe_qdo.producer_get_barrier(state)
-                bar_do = pipe_qdo.do_barrier(state) if cutlass.const_expr(self.split_qdo) else bar
-                cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
-                cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar_do)
+                if cutlass.const_expr(self.split_qdo):
+                    # dO's half first: the consumers free it before Q's (`QdoStages.release_do`)
+                    pipe_qdo.acquire_do(state)
+                    bar, bar_do = pipe_qdo.producer_get_barrier(state), pipe_qdo.do_barrier(state)
+                    cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar_do)
+                    pipe_qdo.acquire_q(state)
+                    cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
+                else:
+                    acquire_empty(pipe_qdo, state, self.try_wait_first)
+                    bar = bar_do = pipe_qdo.producer_get_barrier(state)
+                    cute.copy(tma_q, tQgQ[None, m_block], tQsQ[None, state.index], tma_bar_ptr=bar)
+                    cute.copy(tma_do, tdOgdO[None, m_block], tdOsdO[None, state.index], tma_bar_ptr=bar_do)
                 if cutlass.const_expr(stats is not None):
                     self.load_row_stats(stats, batch, head, m_block, state.index, bar, bar_do)
                 state.advance()

@@ -219,9 +219,14 @@ class BwdStep:
             # partial goes to shared memory and TMA. The stage (Q is dK's B operand) is released once dK is done.
             wgmma(tiled_mma_dq, acc_dQ, *self.dq_operands(ops, ds_stage), True, -1)
             wgmma(tiled_mma_dkv, acc_dK, as_operand_a(rdS), ops.tKrQt[None, None, None, stage], False, 1)
+            if cutlass.const_expr(self.split_qdo):
+                pipe_qdo.release_do(state)  # dV, dO's last reader, is done: the next dO may land now, as in FA4
             self.reduce_dq(acc_dQ, ops.dq_store_view(), tdQs, tdQg, tma_dq, m_block, order, batch, head, wg)
             warpgroup.wait_group(0)
-            pipe_qdo.consumer_release(state)
+            if cutlass.const_expr(self.split_qdo):
+                pipe_qdo.release_q(state)
+            else:
+                pipe_qdo.consumer_release(state)
         else:
             wgmma(tiled_mma_dq, acc_dQ, *self.dq_operands(ops, ds_stage), True, 0)
             pipe_qdo.consumer_release(state)

@@ -85,19 +85,20 @@ def arrive_after(mbar, anchors: list):
 class QdoStages:
     """The backward's Q/dO ring with Q and dO landing on separate barriers (`BwdConfig.split_qdo_wait`), shaped like
     the one pipeline it replaces: `q` (Q and the LSE2 rows) is what `consumer_wait` waits for and
-    `producer_get_barrier` returns; `do` (dO and the D rows) has its own wait (`wait_do`) and barrier (`do_barrier`);
-    both stages are claimed and released together, so one pipeline state walks both. (A dataclass, as the DSL's
-    pipelines are, so that a loop can carry it.)"""
+    `producer_get_barrier` returns; `do` (dO and the D rows) has its own wait (`wait_do`) and barrier (`do_barrier`).
+    One pipeline state walks both halves (they share stage and phase); the step releases dO's half before Q's
+    (`release_do`, `release_q`) and the producer refills dO's first (`acquire_do`, `acquire_q`). (A dataclass, as the
+    DSL's pipelines are, so that a loop can carry it.)"""
 
     q: Any
     do: Any
 
-    def producer_try_acquire(self, state):
-        return self.q.producer_try_acquire(state)
-
-    def producer_acquire(self, state, try_token=None):
-        self.q.producer_acquire(state, try_token)
+    def acquire_do(self, state):
+        """The producer's wait for dO's half of the stage (freed first), arming its barrier."""
         self.do.producer_acquire(state)
+
+    def acquire_q(self, state):
+        self.q.producer_acquire(state)
 
     def producer_get_barrier(self, state):
         return self.q.producer_get_barrier(state)
@@ -117,4 +118,11 @@ class QdoStages:
     def consumer_release(self, state):
         self.q.consumer_release(state)
         self.do.consumer_release(state)
+
+    def release_do(self, state):
+        """dO's half of the stage, once its last reader is done (before Q's, which dK still reads)."""
+        self.do.consumer_release(state)
+
+    def release_q(self, state):
+        self.q.consumer_release(state)
 
