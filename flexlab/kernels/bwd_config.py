@@ -183,16 +183,18 @@ class BwdConfig:
     # Block-sparse: the consumers read a step's query-tile index only where they use it, on partial steps (mask
     # coordinates, stored bits); full steps skip the list read and its address arithmetic (~30 instructions, uniform
     # datapath). The producer and the dQ warp still read every index. Needs `dq_warp`, rows in shared memory and a
-    # non-deterministic kernel (where the consumers use the index on every step). Timed in turns on an H100 (two runs,
-    # 21 and 31 rounds; bwd_partial_index_only_probe_h100_2026-12-07{,b}.json.gz), backward paired: causal B4·S4k
-    # 1.008x and 1.004x, causal B1·S16k 1.015x and 1.012x, sliding window B1·S16k 1.005x and 1.009x, D=64 causal
-    # 1.004x; on. Not with stored mask bits (documents B4·S4k 0.993x and 0.996x, B1·S16k 0.998x).
+    # non-deterministic kernel (where the consumers use the index on every step). Timed in turns on an H100 (three
+    # runs, 21, 31 and 21 rounds; bwd_partial_index_only_probe_h100_2026-12-07{,b,c}.json.gz), backward paired:
+    # causal B4·S4k 1.008x, 1.004x, 1.009x, causal B1·S16k 1.015x, 1.012x, 1.001x, sliding window B1·S16k 1.005x,
+    # 1.009x, 1.015x, D=64 causal 1.004x; on. Not with stored mask bits (documents B4·S4k 0.993x and 0.996x, B1·S16k
+    # 0.998x).
     partial_index_only: bool = True
     # Q (with the LSE2 rows) and dO (with the D rows) land on separate barriers of each Q/dO stage, and a step waits
     # for dO only before it issues dP^T = V dO^T, so S^T starts as soon as Q is there (FA4's sm90 backward waits
     # for the two apart; `stage_waits.QdoStages`), and dO's half of the stage is released once the dV GEMM, its last
-    # reader, is done, before Q's, which dK still reads (FA4 releases them apart too). Not in the lean plan (score_mod gradients at D=128), where it
-    # spilled. CPU compile: one more wait per step, no spills (tests/kernels/test_bwd_options.py). Not yet timed; off.
+    # reader, is done, before Q's, which dK still reads (FA4 releases them apart too). Not in the lean plan
+    # (score_mod gradients at D=128), where it spilled. CPU compile: one more wait per step, no spills
+    # (tests/kernels/test_bwd_options.py). Not yet timed; off.
     split_qdo_wait: bool = False
     # dQ is computed transposed, dQ^T = K^T dS^T: the head dim on wgmma's M axis (64 per consumer warpgroup) and
     # the query rows on N, so a step may take any multiple of 16 rows, not only 64 or 128 (`DENSE_TILE_M`).
