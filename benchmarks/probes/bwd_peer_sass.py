@@ -49,8 +49,8 @@ def step_loops(ptx: str) -> dict:
 
 def live_registers(ptx: str) -> list[dict]:
     """Live registers per instruction of the innermost step loop (ptxas, then `nvdisasm -lrm count`): the most and
-    the mean of general registers live at once, and the most uniform ones. Where two kernels' steps differ in schedule, this
-    says whether register pressure can be why."""
+    the mean of general registers live at once, and the most uniform ones. Where two kernels' steps differ in
+    schedule, this says whether register pressure can be why."""
     import re
     import statistics
     import subprocess

@@ -122,8 +122,8 @@ def test_live_ds_store_address_leaves_the_thread_index_out_of_the_step():
 
 
 def test_partial_index_only_reads_one_block_list_per_step():
-    """`partial_index_only` (on): the consumers read a step's query-tile index from the partial list alone (full steps use
-    none), not from whichever of the two lists the step is in: one global load fewer in the step loop."""
+    """`partial_index_only` (on): the consumers read a step's query-tile index from the partial list alone (full
+    steps use none), not from whichever of the two lists the step is in: one global load fewer in the step loop."""
     for a, b in zip(_loop_bodies(128, "mask", partial_index_only=False), _loop_bodies(128, "mask")):
         loads = [sum(ins.startswith("LDG") for ins in body) for body in (a, b)]
         assert loads[1] == loads[0] - 1, loads
