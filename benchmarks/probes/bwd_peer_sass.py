@@ -79,7 +79,7 @@ def live_registers(ptx: str) -> list[dict]:
         if start is None or start >= end:
             continue
         body = ins[start:end + 1]
-        if sum(t.startswith("HGMMA") for t, _, _ in body) >= 16 and any("MUFU.EX2" in t for t, _, _ in body):
+        if sum(t.startswith("HGMMA") for t, _, _ in body) >= 8 and any("MUFU.EX2" in t for t, _, _ in body):
             gprs = [g for _, g, _ in body]
             loops.append({"span": (start, end), "instructions": len(body), "gpr_max": max(gprs),
                           "gpr_mean": round(statistics.mean(gprs), 1), "uniform_max": max(u for _, _, u in body)})
