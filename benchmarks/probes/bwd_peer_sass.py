@@ -3,7 +3,7 @@
     python benchmarks/probes/bwd_peer_sass.py causal 128
     python benchmarks/probes/bwd_peer_sass.py dense 128 --json step_loops.json
     python benchmarks/probes/bwd_peer_sass.py sliding_window 128   # the benchmark's window of 1024 keys
-    python benchmarks/probes/bwd_peer_sass.py causal 128 --liveness  # and registers live at once per step loop
+    python benchmarks/probes/bwd_peer_sass.py causal 128 --liveness  # and registers live at once in the step loop
 
 flash-attn-4 compiles its kernels for sm_90a under torch's fake tensors when told the target
 (FLASH_ATTENTION_ARCH, CUTE_DSL_ARCH, set here), so its main backward kernel's PTX can be assembled and disassembled
@@ -47,7 +47,7 @@ def step_loops(ptx: str) -> dict:
     return {"registers": rep.registers, "spill_store_bytes": rep.spill_store_bytes, "loops": loops}
 
 
-def live_registers(ptx: str) -> list[dict]:
+def live_registers(ptx: str) -> dict:
     """Live registers per instruction of the innermost step loop (ptxas, then `nvdisasm -lrm count`): the most and
     the mean of general registers live at once, and the most uniform ones. Where two kernels' steps differ in
     schedule, this says whether register pressure can be why."""
@@ -80,13 +80,13 @@ def live_registers(ptx: str) -> list[dict]:
             continue
         body = ins[start:end + 1]
         if sum(t.startswith("HGMMA") for t, _, _ in body) >= 8 and any("MUFU.EX2" in t for t, _, _ in body):
-            gprs = [g for _, g, _ in body]
-            loops.append({"span": (start, end), "instructions": len(body), "gpr_max": max(gprs),
-                          "gpr_mean": round(statistics.mean(gprs), 1), "uniform_max": max(u for _, _, u in body)})
+            loops.append(body)
     # the shortest: the step loop itself, not a loop over tiles or heads around it, nor a wait's slow path placed
     # after the kernel's end that branches back into it
-    shortest = min(loops, key=lambda loop: loop["instructions"])
-    return [{k: v for k, v in shortest.items() if k != "span"}]
+    body = min(loops, key=len)
+    gprs = [g for _, g, _ in body]
+    return {"instructions": len(body), "gpr_max": max(gprs), "gpr_mean": round(statistics.mean(gprs), 1),
+            "uniform_max": max(u for _, _, u in body)}
 
 
 def peer_ptx(variant: str, head_dim: int, seqlen: int, dump: str) -> str:
@@ -150,7 +150,7 @@ def main() -> None:
     ap.add_argument("head_dim", type=int, choices=(64, 128))
     ap.add_argument("--seqlen", type=int, default=4096)
     ap.add_argument("--json", help="also write the summaries here")
-    ap.add_argument("--liveness", action="store_true", help="also registers live at once in the step loops")
+    ap.add_argument("--liveness", action="store_true", help="also registers live at once in the step loop")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as dump:
         os.environ.update(PEER_TARGET, CUTE_DSL_KEEP_PTX="1", CUTE_DSL_DUMP_DIR=dump)
@@ -165,7 +165,8 @@ def main() -> None:
         for i, loop in enumerate(rec["loops"]):
             print(f"  loop {i}: {loop['instructions']} instructions, {loop['hgmma']} HGMMA, {loop['lds']} LDS, "
                   f"{loop['exp2_before_dp_wait']} of {loop['exp2']} exponentials before the dP wait")
-        for live in rec.get("liveness", ()):
+        if "liveness" in rec:
+            live = rec["liveness"]
             print(f"  live registers over a {live['instructions']}-instruction step loop: at most {live['gpr_max']} "
                   f"(mean {live['gpr_mean']}), uniform at most {live['uniform_max']}")
     if args.json:

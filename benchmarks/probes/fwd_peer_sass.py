@@ -95,9 +95,9 @@ def main() -> None:
             print(f"{name} loop {i}: {sum(ops.values())} instructions, "
                   f"{sum(n for op, n in ops.items() if op.startswith('HGMMA'))} HGMMA, {ops['MUFU.EX2']} MUFU.EX2")
         if args.liveness:
-            for live in live_registers(text):
-                print(f"  live registers over its {live['instructions']}-instruction step loop: at most "
-                      f"{live['gpr_max']} (mean {live['gpr_mean']}), uniform at most {live['uniform_max']}")
+            live = live_registers(text)
+            print(f"  live registers over its {live['instructions']}-instruction step loop: at most "
+                  f"{live['gpr_max']} (mean {live['gpr_mean']}), uniform at most {live['uniform_max']}")
     names = list(columns)
     print("opcodes that differ".ljust(34), *(n.rjust(9) for n in names))
     for op in sorted(set().union(*columns.values())):

@@ -193,8 +193,8 @@ class BwdConfig:
     # for dO only before it issues dP^T = V dO^T, so S^T starts as soon as Q is there (FA4's sm90 backward waits
     # for the two apart; `stage_waits.QdoStages`), and dO's half of the stage is released once the dV GEMM, its last
     # reader, is done, before Q's, which dK still reads (FA4 releases them apart too). Not in the lean plan
-    # (score_mod gradients at D=128), where it spilled. CPU compile: one more wait per step, no spills
-    # (tests/kernels/test_bwd_options.py). Not yet timed; off.
+    # (score_mod gradients at D=128), where it spilled. The producer's two waits ignore `try_wait_first`. CPU
+    # compile: one more wait per step, no spills (tests/kernels/test_bwd_options.py). Not yet timed; off.
     split_qdo_wait: bool = False
     # dQ is computed transposed, dQ^T = K^T dS^T: the head dim on wgmma's M axis (64 per consumer warpgroup) and
     # the query rows on N, so a step may take any multiple of 16 rows, not only 64 or 128 (`DENSE_TILE_M`).
