@@ -194,7 +194,9 @@ class BwdConfig:
     # for the two apart; `stage_waits.QdoStages`), and dO's half of the stage is released once the dV GEMM, its last
     # reader, is done, before Q's, which dK still reads (FA4 releases them apart too). Not in the lean plan
     # (score_mod gradients at D=128), where it spilled. The producer's two waits ignore `try_wait_first`. CPU
-    # compile: one more wait per step, no spills (tests/kernels/test_bwd_options.py). Not yet timed; off.
+    # compile: one more wait per step, no spills (tests/kernels/test_bwd_options.py). Timed in turns on an H100
+    # (bwd_split_qdo_wait_probe_h100_2026-12-07.json.gz, 21 rounds, backward paired): 0.997x causal B4·S4k, 0.994x
+    # causal B1·S16k, 0.990x sliding window B1·S16k, 0.995x documents B4·S4k, 1.003x dense B4·S4k; off.
     split_qdo_wait: bool = False
     # dQ is computed transposed, dQ^T = K^T dS^T: the head dim on wgmma's M axis (64 per consumer warpgroup) and
     # the query rows on N, so a step may take any multiple of 16 rows, not only 64 or 128 (`DENSE_TILE_M`).

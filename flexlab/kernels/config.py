@@ -145,7 +145,9 @@ class FwdConfig:
     num_stages: int = 2
     # consumer warpgroups take turns on the tensor cores. Also at D=256, where turns of 80-key steps are short: off
     # there timed 1.002x dense, 0.999x causal, 1.000x sliding window at B4·S4k, 0.994x causal at B1·S16k
-    # (fwd_d256_pingpong_probe_h200_2026-12-03b.json.gz).
+    # (fwd_d256_pingpong_probe_h200_2026-12-03b.json.gz). Off together with `try_wait_first`, as FA4's D=256 forward
+    # waits, on an H100: 1.003x dense and 1.001x causal at B4·S4k, 1.001x causal at B1·S16k, paired over 21 rounds
+    # (fwd_d256_fa4_waits_probe_h100_2026-12-07.json.gz): level, kept on.
     pingpong: bool = True
     dtype_bytes: int = 2
     # Candidate optimizations, all off by default (the measured kernel):
