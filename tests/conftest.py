@@ -1,10 +1,18 @@
-"""Shared pytest set-up: GPU tests are skipped where CUDA is missing, browser tests where Chromium is."""
+"""Shared pytest set-up: GPU tests are skipped where CUDA is missing, browser tests where Chromium is; every buffer a
+kernel is meant to write is filled with NaN before it runs (`flexlab.runtime.poison`)."""
 from __future__ import annotations
 
+import os
 import shutil
 
-import pytest
-import torch
+os.environ["FLEXLAB_POISON_OUTPUTS"] = "1"  # (before flexlab is imported: subprocesses of the tests inherit it)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from flexlab.runtime import poison  # noqa: E402
+
+poison.ENABLED = True  # (in case a plugin imported flexlab before this file set the variable)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import BackendUnavailableError
+from ..runtime import poison
 from ..runtime.disk_cache import KernelCache, StampedKey, source_fingerprint
 from ..runtime.launch import _sm_count, clear_memos, split_tail_buffers, tile_counter, tma_ready
 from . import bwd_config
@@ -659,6 +660,8 @@ def backward(dout, q, k, v, out, lse, dlse, entry, aux_tensors, block_mask, bloc
     dpsum = torch.empty((B, Hq, sq_pad), dtype=torch.float32, device=dev)
     dq_accum = torch.empty((B, Hq, sq_pad, D), dtype=torch.float32, device=dev)  # zeroed by the preprocess
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if poison.ENABLED:
+        poison.fill(lse2, dpsum, dq_accum, dq, dk, dv)
     grads = tuple(torch.zeros(kernel_aux[i].shape, dtype=kernels.grad_dtype, device=dev) for i in entry.grad_slots)
     sem = None
     if deterministic:

@@ -18,6 +18,7 @@ import torch
 from ..errors import FlexlabValueError
 from ..kernels import config as _policy
 from ..kernels.config import FwdConfig, d128_stages, default_config
+from . import poison
 from .compile import CompileKey, KernelMods, cutlass_version, forward_kernel, tvm_ffi_available
 from .schedule import heads_per_group
 from .sparsity import kernel_block_mask
@@ -400,6 +401,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: KernelMods 
     q, k, v = tma_ready(q), tma_ready(k), tma_ready(v)
     out = torch.empty((B, Hq, Sq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, Hq, Sq), dtype=torch.float32, device=q.device) if with_lse else None
+    if poison.ENABLED:
+        poison.fill(out, lse)
     default_scale, qpk, group = _launch_constants(q, k, block_mask)
     scale = default_scale if scale is None else float(scale)
     space = scheduler_workspace(key.config, q.device)
@@ -434,6 +437,8 @@ class BoundForward:
                                                                         device=self.device)
         lse = None if self.lse_shape is None else torch.empty(self.lse_shape, dtype=torch.float32,
                                                                device=self.device)
+        if poison.ENABLED:
+            poison.fill(out, lse)
         self.fn(q, k, v, out, lse, self.default_scale if scale is None else float(scale), self.qpk, self.group,
                 self.sparse, self.order, scheduler_workspace(self.config, self.device), self.aux_tensors,
                 self.aux_scalars)
