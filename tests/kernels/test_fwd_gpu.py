@@ -148,10 +148,14 @@ def test_head_dim_256(Sq, Skv):  # (dense: 80-key tiles, so 160 is two whole til
 
 
 @needs_hopper
-def test_warm_call_host_overhead_is_small():
-    """Python time of a warm call (launch is asynchronous). The goal is 20 us; the bound leaves room for slow CI hosts."""
+def test_warm_call_host_overhead_is_small(monkeypatch):
+    """Python time of a warm call (launch is asynchronous). The goal is 20 us; the bound leaves room for slow CI hosts.
+    Timed as a user's call runs: without the suite's NaN fill of the outputs."""
     import statistics
     import time
+
+    from flexlab.runtime import poison
+    monkeypatch.setattr(poison, "ENABLED", False)
     q, k, v = random_qkv(1, 1, 128, 128, 128, torch.bfloat16, "cuda")
     for _ in range(20):
         _run(q, k, v)
