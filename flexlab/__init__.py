@@ -6,14 +6,15 @@ from __future__ import annotations
 
 from .api import BACKENDS, flex_attention
 from .backends.torch_flex import reset_torch_backend
-from .errors import (BackendUnavailableError, FlexlabError, RecompileLimitError, UnsupportedModError)
+from .errors import (BackendUnavailableError, FallbackWarning, FlexlabError, RecompileLimitError,
+                     UnsupportedModError)
 from .mask import BlockMask, and_masks, block_states, create_block_mask, create_mask, noop_mask, or_masks
 
 __version__ = "0.1.0"
 
 __all__ = ["flex_attention", "create_block_mask", "create_mask", "block_states", "BlockMask", "and_masks",
            "or_masks", "noop_mask", "BACKENDS", "reset_torch_backend", "FlexlabError", "UnsupportedModError",
-           "BackendUnavailableError", "RecompileLimitError", "Playground", "load_ipython_extension",
+           "BackendUnavailableError", "RecompileLimitError", "FallbackWarning", "Playground", "load_ipython_extension",
            "unload_ipython_extension"]
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numbers
+import warnings
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
@@ -9,7 +10,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from . import _ops
 from ._bounded import put_bounded
 from .backends import cute  # torch only: cutlass loads when a kernel is first built
-from .errors import BackendUnavailableError, FlexlabTypeError, FlexlabValueError
+from .errors import BackendUnavailableError, FallbackWarning, FlexlabTypeError, FlexlabValueError
 from .mods import check_mask_mod, check_score_mod
 from .runtime.launch import kernel_takes_scale
 
@@ -160,6 +161,9 @@ def _choose_backend(backend, query, key, value, score_mod, block_mask, determini
     if deterministic and _needs_grad(query, key, value, score_mod):
         raise BackendUnavailableError(
             f"deterministic=True needs flexlab's backward kernel, which cannot run this call: {reason}")
+    if not torch.compiler.is_compiling():  # (a slower path taken on a GPU is said, never silent)
+        warnings.warn(f"backend='auto' runs torch's flex_attention for this call, not flexlab's kernels: {reason}",
+                      FallbackWarning, stacklevel=3)
     return "torch", False
 
 
@@ -186,8 +190,8 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         return_lse: also return the log-sum-exp of each row.
         backend: ``"reference"`` (dense fp32/fp64 math, any device), ``"torch"`` (torch's compiled
             flex_attention on CUDA, its own path on CPU), ``"cute"`` (flexlab's CuTeDSL kernels, Hopper), or
-            ``"auto"`` (cute where it supports the call, forward and backward, else torch; on CPU with
-            gradients, reference).
+            ``"auto"`` (cute where it supports the call, forward and backward, else torch, with a
+            ``FallbackWarning`` saying why on a GPU; on CPU with gradients, reference).
         deterministic: bitwise-reproducible gradients from the cute backward (ordered dQ accumulation,
             fixed-point captured-tensor grads); None follows ``torch.are_deterministic_algorithms_enabled()``.
 

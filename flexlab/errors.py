@@ -44,3 +44,8 @@ class BackendUnavailableError(FlexlabError, RuntimeError):
 
 class RecompileLimitError(FlexlabError, RuntimeError):
     """torch.compile would fall back to its slow eager flex_attention path; flexlab refuses to do that silently."""
+
+
+class FallbackWarning(UserWarning):
+    """backend="auto" ran torch's compiled flex_attention on a GPU because flexlab's kernels cannot run the call; the
+    message says why (shown once per reason by Python's default filter)."""

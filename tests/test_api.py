@@ -1,6 +1,8 @@
 """flex_attention's reference and torch backends against torch's own eager flex_attention and a float64 truth."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask as torch_create_block_mask
@@ -146,6 +148,24 @@ def test_auto_on_cpu_uses_torch_path_and_scale_is_honoured():
     truth, _ = reference(q, k, v, scale=0.3)
     assert rel_l2(a, truth) < TOLERANCES[torch.float32]
     assert rel_l2(a, reference(q, k, v)[0]) > 1e-3
+
+
+def test_auto_says_when_a_gpu_call_takes_torchs_path(monkeypatch):
+    """On a GPU, `auto` running torch's flex_attention instead of flexlab's kernels is slower: it warns with the reason
+    (CPU calls have no kernel to miss and stay quiet)."""
+    from types import SimpleNamespace
+
+    from flexlab import api
+    monkeypatch.setattr(api, "_cute_plan", lambda *args: ("head_dim=96 is not one of (64, 128, 256)", False))
+    on_gpu = SimpleNamespace(device=torch.device("cuda"))
+    with pytest.warns(flexlab.FallbackWarning, match="runs torch's flex_attention .*head_dim=96"):
+        assert api._choose_backend("auto", on_gpu, on_gpu, on_gpu, None, None, False) == ("torch", False)
+    with pytest.raises(flexlab.BackendUnavailableError, match="head_dim=96"):
+        api._choose_backend("cute", on_gpu, on_gpu, on_gpu, None, None, False)
+    q, k, v = random_qkv(1, 1, 16, 16, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", flexlab.FallbackWarning)
+        flexlab.flex_attention(q, k, v)
 
 
 def test_cute_backend_is_explicit_about_availability():
