@@ -18,9 +18,16 @@ BACKENDS = ("auto", "reference", "torch", "cute")
 _FLOAT_DTYPES = frozenset((torch.float16, torch.bfloat16, torch.float32, torch.float64))
 
 
-def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, backend):
+def _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, backend, return_lse=False,
+              deterministic=None):
     if backend not in BACKENDS:
         raise FlexlabValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    # (flags by type, not truthiness: enable_gqa="no" would otherwise turn grouped-query attention on)
+    for name, flag in (("enable_gqa", enable_gqa), ("return_lse", return_lse)):
+        if not isinstance(flag, bool):
+            raise FlexlabTypeError(f"{name} must be True or False, got {flag!r}")
+    if deterministic is not None and not isinstance(deterministic, bool):
+        raise FlexlabTypeError(f"deterministic must be True, False or None, got {deterministic!r}")
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
             raise FlexlabTypeError(f"{name} must be a torch.Tensor of shape (B, H, S, D), got {type(t).__name__}")
@@ -213,7 +220,9 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                 result = train(query, key, value, scale, deterministic)
                 if result is not None:
                     return result if return_lse else result[0]
-    _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, backend)
+    _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, backend, return_lse, deterministic)
+    if scale is not None:
+        scale = float(scale)  # (a Fraction or numpy scalar passes as a real number; the backends take floats)
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     chosen, cute_grad = _choose_backend(backend, query, key, value, score_mod, block_mask, deterministic, scale)

@@ -49,3 +49,11 @@ class RecompileLimitError(FlexlabError, RuntimeError):
 class FallbackWarning(UserWarning):
     """backend="auto" ran torch's compiled flex_attention on a GPU because flexlab's kernels cannot run the call; the
     message says why (shown once per reason by Python's default filter)."""
+
+
+def check_positive_int(name: str, value, where: str = "") -> None:
+    """Raise a FlexlabValueError naming `name` (and the call, `where`) unless `value` is an int >= 1 (not a bool,
+    not a float that would be truncated)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        prefix = f"{where}: " if where else ""
+        raise FlexlabValueError(f"{prefix}{name} must be a positive int, got {value!r}")

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from .errors import FlexlabTypeError
+from .errors import FlexlabTypeError, FlexlabValueError
 
 ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -27,7 +27,8 @@ _ARITY: "weakref.WeakKeyDictionary[Callable, int | None]" = weakref.WeakKeyDicti
 
 
 def _positional_arity(fn: Callable) -> int | None:
-    """Number of required positional parameters, or None when it can't be told (C functions, *args).
+    """Number of required positional parameters, None when it can't be told (C functions, *args), -1 with a
+    required keyword-only parameter.
 
     Cached per function object: `inspect.signature` costs tens of microseconds, and this runs on every call."""
     try:
@@ -53,6 +54,8 @@ def _signature_arity(fn: Callable) -> int | None:
             return None
         if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty:
             count += 1
+        if p.kind == p.KEYWORD_ONLY and p.default is p.empty:
+            return -1  # never callable with positional arguments alone
     return count
 
 
@@ -66,6 +69,9 @@ def _check_mod(fn, arg: str, n_args: int, signature: str, returns: str, other_hi
     if not callable(fn):
         raise FlexlabTypeError(f"{arg} must be a callable {signature} -> {returns}, got {type(fn).__name__}")
     n = _positional_arity(fn)
+    if n == -1:
+        raise FlexlabTypeError(f"{arg} {mod_name(fn)!r} has a keyword-only argument without a default; a "
+                               f"{arg.split('.')[-1]} is called with {n_args} positional arguments: {signature}")
     if n is not None and n != n_args:
         hint = other_hint if n == 9 - n_args else ""  # 4 <-> 5: the other kind of mod
         raise FlexlabTypeError(f"{arg} {mod_name(fn)!r} takes {n} positional argument(s); a "
@@ -81,6 +87,36 @@ def check_score_mod(score_mod, arg: str = "score_mod") -> None:
 def check_mask_mod(mask_mod, arg: str = "mask_mod") -> None:
     """Raise a TypeError naming the function if it cannot be a mask_mod."""
     _check_mod(mask_mod, arg, 4, _MASK_ARGS, "bool Tensor", " (that looks like a score_mod: pass it as score_mod=)")
+
+
+def _as_tensor_result(fn: Callable, role: str) -> Callable:
+    """`fn` whose result is a tensor: a Python number becomes a 0-d tensor (as the code generator takes it, e.g. a
+    mask_mod that returns True); anything else is refused naming the mod."""
+    def result(*args):
+        out = fn(*args)
+        if isinstance(out, torch.Tensor):
+            return out
+        if isinstance(out, (bool, int, float)):
+            return torch.tensor(out)
+        raise FlexlabTypeError(f"{role} {mod_name(fn)!r} returned {type(out).__name__}; it must return a 0-d tensor "
+                               f"or a Python number")
+    return result
+
+
+def _evaluated(role: str, fn: Callable, run: Callable, n_batch_dims: int) -> torch.Tensor:
+    """`run()` (the vmapped mod), its result checked to hold one value per index point; an error raised inside the
+    mod gets a note naming it (Python 3.11+), its type kept."""
+    try:
+        out = run()
+    except Exception as err:
+        if hasattr(err, "add_note") and not isinstance(err, FlexlabTypeError):
+            err.add_note(f"(raised while evaluating {role} {mod_name(fn)!r} on index tensors, as torch's "
+                         f"FlexAttention does)")
+        raise
+    if out.dim() != n_batch_dims:
+        raise FlexlabValueError(f"{role} {mod_name(fn)!r} must return one value (a 0-d tensor) per index point; it "
+                                f"returned shape {tuple(out.shape[n_batch_dims:])} per point")
+    return out
 
 
 def _vmap_bhqkv(fn: Callable, leading: tuple) -> Callable:
@@ -100,7 +136,8 @@ def evaluate_mask_mod(mask_mod: MaskMod, b: torch.Tensor, h: torch.Tensor, q: to
                       kv: torch.Tensor) -> torch.Tensor:
     """Evaluate `mask_mod` on the grid b × h × q × kv (1-D int index tensors) → bool (len b, len h, len q, len kv)."""
     with _index_mode():
-        out = _vmap_bhqkv(mask_mod, ())(b, h, q, kv)
+        out = _evaluated("mask_mod", mask_mod,
+                         lambda: _vmap_bhqkv(_as_tensor_result(mask_mod, "mask_mod"), ())(b, h, q, kv), 4)
     if out.dtype != torch.bool:
         raise FlexlabTypeError(f"mask_mod {mod_name(mask_mod)!r} must return a bool tensor, got {out.dtype}")
     return out.expand(len(b), len(h), len(q), len(kv))
@@ -111,7 +148,8 @@ def evaluate_mask_mod_pointwise(mask_mod: MaskMod, b: torch.Tensor, h: torch.Ten
     """Evaluate `mask_mod` at the points (b[i], h[i], q[i], kv[i]) of four equally long 1-D int tensors -> bool (n,)
     (where a grid would be wasteful: the scores of scattered blocks)."""
     with _index_mode():
-        out = torch.vmap(mask_mod, in_dims=(0, 0, 0, 0), out_dims=0)(b, h, q, kv)
+        pointwise = torch.vmap(_as_tensor_result(mask_mod, "mask_mod"), in_dims=(0, 0, 0, 0), out_dims=0)
+        out = _evaluated("mask_mod", mask_mod, lambda: pointwise(b, h, q, kv), 1)
     if out.dtype != torch.bool:
         raise FlexlabTypeError(f"mask_mod {mod_name(mask_mod)!r} must return a bool tensor, got {out.dtype}")
     return out.expand(b.shape[0])
@@ -121,7 +159,10 @@ def evaluate_score_mod(score_mod: ScoreMod, scores: torch.Tensor, b: torch.Tenso
                        q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     """Apply `score_mod` to `scores` of shape (len b, len h, len q, len kv); differentiable."""
     with _index_mode():
-        out = _vmap_bhqkv(score_mod, (0,))(scores, b, h, q, kv)
+        out = _evaluated("score_mod", score_mod,
+                         lambda: _vmap_bhqkv(_as_tensor_result(score_mod, "score_mod"), (0,))(scores, b, h, q, kv), 4)
+    if not out.is_floating_point():  # (a Python int, as the code generator casts it)
+        out = out.to(scores.dtype)
     return out.expand_as(scores) if out.shape != scores.shape else out
 
 

@@ -211,3 +211,25 @@ def test_torch_backend_cpu_lse_is_natural_log():
     truth, truth_lse = reference(q, k, v, drift)
     assert rel_l2(out, truth) < TOLERANCES[torch.float32]
     assert torch.allclose(lse.double(), truth_lse, atol=1e-5)
+
+
+def test_reference_keeps_nan_and_inf_visible():
+    """Only a fully masked row (LSE -inf) becomes 0; a NaN or +inf score makes its row NaN, as in torch."""
+    q, k, v = random_qkv(1, 1, 8, 8, 4, dtype=torch.float64)
+    q[0, 0, 3, 0] = float("nan")
+    k[0, 0, 5, 1] = float("inf")
+    out = flexlab.flex_attention(q, k, v, backend="reference")
+    expect = torch.softmax(q @ k.transpose(-1, -2) * 0.5, dim=-1) @ v
+    assert torch.equal(out.isnan(), expect.isnan()) and out.isnan().any()
+    finite = ~expect.isnan()
+    torch.testing.assert_close(out[finite], expect[finite])
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_cpu_inference_with_parameters_that_require_grad(backend):
+    """Under no_grad a CPU call with leaf tensors that require grad runs forward-only (torch's CPU path would
+    otherwise refuse them)."""
+    q, k, v = (t.requires_grad_(True) for t in random_qkv(1, 2, 16, 16, 8))
+    with torch.no_grad():
+        out = flexlab.flex_attention(q, k, v, backend=backend)
+    torch.testing.assert_close(out, reference(q.detach(), k.detach(), v.detach())[0].to(out.dtype))

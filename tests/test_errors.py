@@ -136,3 +136,115 @@ def test_bad_scale_type():
     q, k, v = random_qkv(1, 2, 16, 16, 8)
     with pytest.raises(TypeError, match="scale must be a float"):
         flexlab.flex_attention(q, k, v, scale="0.5")
+
+
+@pytest.mark.parametrize("arg,value", [("enable_gqa", "no"), ("return_lse", "yes"), ("return_lse", 0),
+                                       ("deterministic", "x")])
+def test_flags_are_checked_by_type_not_truthiness(arg, value):
+    q, k, v = random_qkv(1, 4, 16, 16, 8, Hkv=2)
+    with pytest.raises(TypeError, match=f"{arg} must be True"):
+        flexlab.flex_attention(q, k, v, backend="reference", **{"enable_gqa": True, arg: value})
+
+
+def test_a_fraction_scale_is_taken_as_its_float():
+    from fractions import Fraction
+    q, k, v = random_qkv(1, 2, 16, 16, 8)
+    for backend in ("reference", "torch"):
+        a = flexlab.flex_attention(q, k, v, scale=Fraction(1, 2), backend=backend)
+        torch.testing.assert_close(a, flexlab.flex_attention(q, k, v, scale=0.5, backend=backend))
+
+
+def test_a_mod_with_a_vector_result_is_named():
+    def per_point_vector(score, b, h, q_idx, kv_idx):
+        return torch.stack([score, score])
+
+    q, k, v = random_qkv(1, 2, 16, 16, 8)
+    with pytest.raises(ValueError, match="score_mod 'per_point_vector' must return one value"):
+        flexlab.flex_attention(q, k, v, score_mod=per_point_vector, backend="reference")
+
+    def vector_mask(b, h, q_idx, kv_idx):
+        return torch.stack([q_idx >= kv_idx, q_idx >= kv_idx])
+
+    with pytest.raises(ValueError, match="mask_mod 'vector_mask' must return one value"):
+        flexlab.create_block_mask(vector_mask, 1, 1, 16, 16)
+
+
+def test_a_mod_returning_a_python_number_means_a_constant():
+    def keep_all(b, h, q_idx, kv_idx):
+        return True
+
+    def flat(score, b, h, q_idx, kv_idx):
+        return 0.0
+
+    bm = flexlab.create_block_mask(keep_all, 1, 1, 256, 256)
+    assert bm.full_kv_num_blocks.sum().item() == 4 and bm.kv_num_blocks.sum().item() == 0
+    q, k, v = random_qkv(1, 2, 16, 16, 8)
+    out = flexlab.flex_attention(q, k, v, score_mod=flat, backend="reference")
+    torch.testing.assert_close(out, v.mean(dim=2, keepdim=True).expand_as(out))
+
+    def returns_none(score, b, h, q_idx, kv_idx):
+        return None
+
+    with pytest.raises(TypeError, match="score_mod 'returns_none' returned NoneType"):
+        flexlab.flex_attention(q, k, v, score_mod=returns_none, backend="reference")
+
+
+def test_an_error_inside_a_mod_keeps_its_type_and_names_the_mod():
+    table = torch.arange(4.0)
+
+    def out_of_range(score, b, h, q_idx, kv_idx):
+        return score + table[q_idx]
+
+    q, k, v = random_qkv(1, 2, 16, 16, 8)
+    with pytest.raises(IndexError) as info:
+        flexlab.flex_attention(q, k, v, score_mod=out_of_range, backend="reference")
+    if hasattr(info.value, "add_note"):
+        assert "score_mod 'out_of_range'" in "\n".join(info.value.__notes__)
+
+
+def test_a_required_keyword_only_argument_is_refused_by_name():
+    def kw(score, b, h, q_idx, kv_idx, *, bias):
+        return score + bias
+
+    q, k, v = random_qkv(1, 2, 16, 16, 8)
+    with pytest.raises(TypeError, match="score_mod 'kw' has a keyword-only argument"):
+        flexlab.flex_attention(q, k, v, score_mod=kw, backend="reference")
+
+
+@pytest.mark.parametrize("size", [1.5, None, "128", (64,), (64, 64, 64), True])
+def test_block_size_is_checked(size):
+    with pytest.raises(ValueError, match="BLOCK_SIZE"):
+        flexlab.create_block_mask(causal, 1, 1, 128, 128, BLOCK_SIZE=size)
+
+
+def test_create_block_mask_without_a_mask_mod_names_it():
+    with pytest.raises(TypeError, match="mask_mod must be a callable"):
+        flexlab.create_block_mask(None, 1, 1, 128, 128)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a torch without CUDA")
+def test_create_block_mask_on_a_missing_gpu_names_the_device():
+    with pytest.raises(flexlab.BackendUnavailableError, match="device='cuda'"):
+        flexlab.create_block_mask(causal, 1, 1, 128, 128, device="cuda")
+
+
+@pytest.mark.parametrize("kwargs,match", [({"q_len": 64.0}, "q_len"), ({"q_len": 64, "samples": 0}, "samples"),
+                                          ({"q_len": 64, "head_dim": 0}, "head_dim")])
+def test_plot_mask_arguments_are_checked(kwargs, match):
+    pytest.importorskip("plotly")
+    from flexlab.viz import plot_mask
+
+    def soft(score, b, h, q_idx, kv_idx):
+        return score
+
+    with pytest.raises(ValueError, match=f"{match} must be a positive int"):
+        plot_mask(causal, soft, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [({"num_sms": 0}, "num_sms"), ({"Q_LEN": 100.7}, "Q_LEN"),
+                                          ({"head_dim": 0}, "head_dim"), ({"partial_cost": -1}, "partial_cost")])
+def test_inspect_blocks_arguments_are_checked(kwargs, match):
+    from flexlab.viz import inspect_blocks
+    kwargs = {"Q_LEN": 256, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        inspect_blocks(causal, **kwargs)

@@ -46,7 +46,8 @@ def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
         scores = scores.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     # exp(score - lse) is exactly 0 for masked pairs; a fully masked row has lse = -inf, so guard it to 0 output.
-    row_alive = torch.isfinite(lse).unsqueeze(-1)
+    # (Only -inf: a NaN or +inf score makes its row NaN, as torch's flex_attention does, never a quiet 0.)
+    row_alive = (lse != float("-inf")).unsqueeze(-1)
     safe_lse = torch.where(row_alive, lse.unsqueeze(-1), torch.zeros_like(lse).unsqueeze(-1))
     probs = torch.where(row_alive, torch.exp(scores - safe_lse), torch.zeros_like(scores))
     return probs @ v, lse

@@ -109,6 +109,8 @@ def torch_flex_attention(query, key, value, score_mod=None, block_mask=None, sca
     else:
         kwargs["return_lse"] = True
     if query.device.type != "cuda":
+        if not torch.is_grad_enabled():  # (torch's CPU path refuses inputs that require grad even under no_grad)
+            query, key, value = query.detach(), key.detach(), value.detach()
         return _unpack(_cpu_flex_attention(query, key, value, **kwargs))
     kwargs["score_mod"], kwargs["block_mask"] = _guardable(score_mod, block_mask)
     try:

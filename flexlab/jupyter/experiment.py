@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..errors import FlexlabError, FlexlabValueError, UnsupportedModError
+from ..errors import FlexlabError, FlexlabValueError, UnsupportedModError, check_positive_int
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
 #: Backends a run can compare; "flash" is torch FlexAttention with kernel_options={"BACKEND": "FLASH"}.
@@ -168,9 +168,7 @@ class RunSpec:
 
     def __post_init__(self):
         for name in ("B", "H", "S", "D"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise FlexlabValueError(f"{name} must be a positive int, got {v!r}")
+            check_positive_int(name, getattr(self, name))
         if self.dtype not in DTYPES:
             raise FlexlabValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         unknown = [b for b in self.backends if b not in BACKENDS]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from ..errors import FlexlabValueError
+from ..errors import BackendUnavailableError, FlexlabTypeError, FlexlabValueError, check_positive_int
 from ..mods import MaskMod, check_mask_mod, evaluate_mask_mod, index_grid
 
 # Elements of the index grid evaluated at once. A mask_mod's temporaries are int64 over the chunk, so this keeps a
@@ -20,11 +20,19 @@ DEFAULT_CHUNK_ELEMENTS = 1 << 22
 
 def _check_lengths(B, H, Q_LEN, KV_LEN, block_sizes):
     for name, val in (("B", B), ("H", H), ("Q_LEN", Q_LEN), ("KV_LEN", KV_LEN)):
-        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-            raise FlexlabValueError(f"create_block_mask: {name} must be a positive int, got {val!r}")
+        check_positive_int(name, val, "create_block_mask")
     for name, val in zip(("Q block size", "KV block size"), block_sizes):
-        if not isinstance(val, int) or val < 1:
-            raise FlexlabValueError(f"create_block_mask: BLOCK_SIZE ({name}) must be a positive int, got {val!r}")
+        check_positive_int(f"BLOCK_SIZE ({name})", val, "create_block_mask")
+
+
+def _block_sizes(BLOCK_SIZE) -> tuple:
+    """(q_block, kv_block) from an int or a pair; anything else refused by name."""
+    if isinstance(BLOCK_SIZE, int) and not isinstance(BLOCK_SIZE, bool):
+        return BLOCK_SIZE, BLOCK_SIZE
+    if isinstance(BLOCK_SIZE, (tuple, list)) and len(BLOCK_SIZE) == 2:
+        return tuple(BLOCK_SIZE)
+    raise FlexlabValueError(f"create_block_mask: BLOCK_SIZE must be a positive int or a (q_block, kv_block) pair, "
+                            f"got {BLOCK_SIZE!r}")
 
 
 def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,11 +90,17 @@ def create_block_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: in
         torch.nn.attention.flex_attention.BlockMask, equal to torch's (kv/full_kv counts and indices, q-side
         transposes, BLOCK_SIZE, mask_mod, seq_lengths).
     """
+    if mask_mod is None:
+        raise FlexlabTypeError("create_block_mask: mask_mod must be a callable (b, h, q_idx, kv_idx) -> bool Tensor, "
+                               "got None (flexlab.noop_mask keeps every pair)")
     check_mask_mod(mask_mod)
     B = 1 if B is None else B
     H = 1 if H is None else H
-    q_block, kv_block = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else tuple(BLOCK_SIZE)
+    q_block, kv_block = _block_sizes(BLOCK_SIZE)
     _check_lengths(B, H, Q_LEN, KV_LEN, (q_block, kv_block))
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise BackendUnavailableError(f"create_block_mask: device={device!r} but this torch has no CUDA device; "
+                                      "build the mask with device='cpu'")
     counts = block_counts(mask_mod, B, H, Q_LEN, KV_LEN, q_block, kv_block, device, chunk_elements)
     full = counts == q_block * kv_block
     partial = (counts > 0) & ~full

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..errors import FlexlabValueError
+from ..errors import FlexlabValueError, check_positive_int
 from ..mods import check_mask_mod, check_score_mod, evaluate_mask_mod, evaluate_score_mod, mod_name
 
 MaskMod = Callable[..., torch.Tensor]
@@ -144,6 +144,9 @@ def mask_grid(mask_mod: Optional[MaskMod] = None, score_mod: Optional[ScoreMod] 
         qk: scores fed to score_mod are ``q @ k.T / sqrt(head_dim)`` for ``"random"`` or ``"ones"`` rows.
     """
     kv_len = q_len if kv_len is None else kv_len
+    for name, value in (("q_len", q_len), ("kv_len", kv_len), ("max_cells", max_cells), ("samples", samples),
+                        ("head_dim", head_dim)):
+        check_positive_int(name, value)
     if mask_mod is None and score_mod is None:
         raise FlexlabValueError("mask_grid needs a mask_mod or a score_mod (both were None)")
     check_mask_mod(mask_mod)

@@ -9,6 +9,7 @@ kernel's CTAs, issued heaviest Q tile first, spread over the SMs, and measures w
 from __future__ import annotations
 
 import heapq
+import math
 import os
 import threading
 import time
@@ -18,7 +19,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from ..errors import FlexlabTypeError, FlexlabValueError
+from ..errors import FlexlabTypeError, FlexlabValueError, check_positive_int
 from ..kernels.config import H200_SMS
 from ..mask import BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL, block_states, create_block_mask
 
@@ -347,7 +348,7 @@ def _tile_axes(fig, shape, col: int) -> None:
 # ----------------------------------------------------------------------------------------------- entry points
 def _tile_pair(tile) -> tuple[int, int]:
     pair = (tile, tile) if isinstance(tile, int) else tuple(tile)
-    if len(pair) != 2 or not all(isinstance(t, int) and t > 0 for t in pair):
+    if len(pair) != 2 or not all(isinstance(t, int) and not isinstance(t, bool) and t > 0 for t in pair):
         raise FlexlabValueError(f"tile must be a positive int or (q_tile, kv_tile), got {tile!r}")
     return pair
 
@@ -366,6 +367,13 @@ def inspect_blocks(mask, B: Optional[int] = None, H: Optional[int] = None, Q_LEN
         partial_cost: relative cost of a partial tile vs a full one in the work model.
     """
     tq, tk = _tile_pair(tile)
+    for arg, value in (("B", B), ("H", H), ("Q_LEN", Q_LEN), ("KV_LEN", KV_LEN)):
+        if value is not None:
+            check_positive_int(arg, value, "inspect_blocks")
+    check_positive_int("head_dim", head_dim, "inspect_blocks")
+    check_positive_int("num_sms", num_sms, "inspect_blocks")
+    if not (isinstance(partial_cost, (int, float)) and 0 < partial_cost < math.inf):
+        raise FlexlabValueError(f"inspect_blocks: partial_cost must be a positive number, got {partial_cost!r}")
     cost = None
     if isinstance(mask, BlockMask):
         bq, bk = (int(x) for x in mask.BLOCK_SIZE)

@@ -131,7 +131,7 @@ def test_bad_arguments_name_the_problem():
         mask_grid(q_len=4)
     with pytest.raises(ValueError, match="show must be"):
         plot_mask(causal, q_len=4, show="blocks")
-    with pytest.raises(ValueError, match="sequence length"):
+    with pytest.raises(ValueError, match="q_len must be a positive int, got 0"):
         mask_grid(causal, q_len=0)
 
 
