@@ -50,6 +50,7 @@ def _compare(q, k, v, score_mod=None, block_mask=None, trainable=(), with_lse=Fa
     assert rel_l2(out, ref_out) < TOL_F64
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite)
+    assert rel_l2(lse[finite], ref_lse[finite]) < TOL_F64, "LSE values"
     names = ["dq", "dk", "dv"] + [f"d(captured {i})" for i in range(len(trainable))]
     for name, a, b in zip(names, g_ours, g_ref):
         assert a is not None, f"{name} missing"
@@ -315,6 +316,10 @@ def test_cuda_deterministic_mode_is_bitwise_repeatable():
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
             assert torch.equal(a, b)
+    q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))  # ... and right, not only repeated
+    reference_attention(q64, k64, v64, None, bm, None, True, torch.float64)[0].backward(dout.double())
+    for name, a, b in zip(("dq", "dk", "dv"), runs[0], (q64.grad, k64.grad, v64.grad)):
+        assert not torch.isnan(a).any() and rel_l2(a, b) < 2e-2, f"{name}: {rel_l2(a, b):.2e}"
 
 
 @pytest.mark.gpu
