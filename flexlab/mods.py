@@ -103,11 +103,12 @@ def _as_tensor_result(fn: Callable, role: str) -> Callable:
     return result
 
 
-def _evaluated(role: str, fn: Callable, run: Callable, n_batch_dims: int) -> torch.Tensor:
-    """`run()` (the vmapped mod), its result checked to hold one value per index point; an error raised inside the
-    mod gets a note naming it (Python 3.11+), its type kept."""
+def _evaluated(role: str, fn: Callable, vmapped: Callable, args: tuple, n_batch_dims: int) -> torch.Tensor:
+    """`fn` (its result made a tensor: `_as_tensor_result`) vmapped by `vmapped` and called on `args`, the result
+    checked to hold one value per index point; an error raised inside the mod gets a note naming it (Python 3.11+),
+    its type kept."""
     try:
-        out = run()
+        out = vmapped(_as_tensor_result(fn, role))(*args)
     except Exception as err:
         if hasattr(err, "add_note") and not isinstance(err, FlexlabTypeError):
             err.add_note(f"(raised while evaluating {role} {mod_name(fn)!r} on index tensors, as torch's "
@@ -136,8 +137,7 @@ def evaluate_mask_mod(mask_mod: MaskMod, b: torch.Tensor, h: torch.Tensor, q: to
                       kv: torch.Tensor) -> torch.Tensor:
     """Evaluate `mask_mod` on the grid b × h × q × kv (1-D int index tensors) → bool (len b, len h, len q, len kv)."""
     with _index_mode():
-        out = _evaluated("mask_mod", mask_mod,
-                         lambda: _vmap_bhqkv(_as_tensor_result(mask_mod, "mask_mod"), ())(b, h, q, kv), 4)
+        out = _evaluated("mask_mod", mask_mod, lambda f: _vmap_bhqkv(f, ()), (b, h, q, kv), 4)
     if out.dtype != torch.bool:
         raise FlexlabTypeError(f"mask_mod {mod_name(mask_mod)!r} must return a bool tensor, got {out.dtype}")
     return out.expand(len(b), len(h), len(q), len(kv))
@@ -148,8 +148,8 @@ def evaluate_mask_mod_pointwise(mask_mod: MaskMod, b: torch.Tensor, h: torch.Ten
     """Evaluate `mask_mod` at the points (b[i], h[i], q[i], kv[i]) of four equally long 1-D int tensors -> bool (n,)
     (where a grid would be wasteful: the scores of scattered blocks)."""
     with _index_mode():
-        pointwise = torch.vmap(_as_tensor_result(mask_mod, "mask_mod"), in_dims=(0, 0, 0, 0), out_dims=0)
-        out = _evaluated("mask_mod", mask_mod, lambda: pointwise(b, h, q, kv), 1)
+        out = _evaluated("mask_mod", mask_mod, lambda f: torch.vmap(f, in_dims=(0, 0, 0, 0), out_dims=0),
+                         (b, h, q, kv), 1)
     if out.dtype != torch.bool:
         raise FlexlabTypeError(f"mask_mod {mod_name(mask_mod)!r} must return a bool tensor, got {out.dtype}")
     return out.expand(b.shape[0])
@@ -159,8 +159,7 @@ def evaluate_score_mod(score_mod: ScoreMod, scores: torch.Tensor, b: torch.Tenso
                        q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     """Apply `score_mod` to `scores` of shape (len b, len h, len q, len kv); differentiable."""
     with _index_mode():
-        out = _evaluated("score_mod", score_mod,
-                         lambda: _vmap_bhqkv(_as_tensor_result(score_mod, "score_mod"), (0,))(scores, b, h, q, kv), 4)
+        out = _evaluated("score_mod", score_mod, lambda f: _vmap_bhqkv(f, (0,)), (scores, b, h, q, kv), 4)
     if not out.is_floating_point():  # (a Python int, as the code generator casts it)
         out = out.to(scores.dtype)
     return out.expand_as(scores) if out.shape != scores.shape else out

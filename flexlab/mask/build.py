@@ -26,8 +26,9 @@ def _check_lengths(B, H, Q_LEN, KV_LEN, block_sizes):
 
 
 def _block_sizes(BLOCK_SIZE) -> tuple:
-    """(q_block, kv_block) from an int or a pair; anything else refused by name."""
-    if isinstance(BLOCK_SIZE, int) and not isinstance(BLOCK_SIZE, bool):
+    """(q_block, kv_block) from an int or a pair (their values checked by `_check_lengths`); anything else refused
+    by name."""
+    if isinstance(BLOCK_SIZE, int):
         return BLOCK_SIZE, BLOCK_SIZE
     if isinstance(BLOCK_SIZE, (tuple, list)) and len(BLOCK_SIZE) == 2:
         return tuple(BLOCK_SIZE)
