@@ -173,3 +173,14 @@ def _arange(n: int, device: str) -> torch.Tensor:
 def index_grid(B: int, H: int, Q_LEN: int, KV_LEN: int, device) -> tuple[torch.Tensor, ...]:
     dev = str(torch.device(device))
     return _arange(B, dev), _arange(H, dev), _arange(Q_LEN, dev), _arange(KV_LEN, dev)
+
+
+def probe_mods_at_origin(score_mod: ScoreMod | None, mask_mod: MaskMod | None, device) -> None:
+    """Evaluate the mods at the single index point (0, 0, 0, 0) through flexlab's checks, so a mod whose result is
+    wrong (a vector per point, a float mask) is named in flexlab's words where another library's error would not.
+    Raises the FlexlabError (or the mod's own error) if the mods fail there; returns None if they pass."""
+    zero = index_grid(1, 1, 1, 1, device)
+    if mask_mod is not None:
+        evaluate_mask_mod(mask_mod, *zero)
+    if score_mod is not None:
+        evaluate_score_mod(score_mod, torch.zeros(1, 1, 1, 1, device=device), *zero)

@@ -1,7 +1,6 @@
 """The mods the foundation tests run over: one of each kind torch's FlexAttention users write."""
 from __future__ import annotations
 
-import math
 
 import torch
 

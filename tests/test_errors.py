@@ -159,14 +159,25 @@ def test_a_mod_with_a_vector_result_is_named():
         return torch.stack([score, score])
 
     q, k, v = random_qkv(1, 2, 16, 16, 8)
-    with pytest.raises(ValueError, match="score_mod 'per_point_vector' must return one value"):
-        flexlab.flex_attention(q, k, v, score_mod=per_point_vector, backend="reference")
+    for backend in ("reference", "torch", "auto"):  # (torch's own error would be a shape mismatch deep inside it)
+        with pytest.raises(ValueError, match="score_mod 'per_point_vector' must return one value"):
+            flexlab.flex_attention(q, k, v, score_mod=per_point_vector, backend=backend)
 
     def vector_mask(b, h, q_idx, kv_idx):
         return torch.stack([q_idx >= kv_idx, q_idx >= kv_idx])
 
     with pytest.raises(ValueError, match="mask_mod 'vector_mask' must return one value"):
         flexlab.create_block_mask(vector_mask, 1, 1, 16, 16)
+
+
+def test_torch_backend_keeps_a_mods_own_error():
+    """A mod that raises is not re-labelled by the torch backend's diagnosis: its own error reaches the caller."""
+    def raises_inside(score, b, h, q_idx, kv_idx):
+        raise KeyError("missing table entry")
+
+    q, k, v = random_qkv(1, 2, 16, 16, 8)
+    with pytest.raises(KeyError, match="missing table entry"):
+        flexlab.flex_attention(q, k, v, score_mod=raises_inside, backend="torch")
 
 
 def test_a_mod_returning_a_python_number_means_a_constant():

@@ -111,7 +111,11 @@ def torch_flex_attention(query, key, value, score_mod=None, block_mask=None, sca
     if query.device.type != "cuda":
         if not torch.is_grad_enabled():  # (torch's CPU path refuses inputs that require grad even under no_grad)
             query, key, value = query.detach(), key.detach(), value.detach()
-        return _unpack(_cpu_flex_attention(query, key, value, **kwargs))
+        try:
+            return _unpack(_cpu_flex_attention(query, key, value, **kwargs))
+        except Exception as err:
+            _raise_if_mods_are_at_fault(err, score_mod, block_mask, query.device)
+            raise
     kwargs["score_mod"], kwargs["block_mask"] = _guardable(score_mod, block_mask)
     try:
         with _dynamo_config_patch():
@@ -130,7 +134,21 @@ def torch_flex_attention(query, key, value, score_mod=None, block_mask=None, sca
                 "flex_attention after many different mods/shapes; rather than fall back to the slow eager path, "
                 "flexlab stops here. Call flexlab.reset_torch_backend() (this runs torch._dynamo.reset()) or use "
                 "backend='cute'.") from err
+        _raise_if_mods_are_at_fault(err, score_mod, block_mask, query.device)
         raise
+
+
+def _raise_if_mods_are_at_fault(err: Exception, score_mod, block_mask, device) -> None:
+    """torch reports a mod with a wrong result (a vector per index point, say) as a shape error deep in its own
+    code; if the mods fail flexlab's one-point check, that error, naming the mod, is raised instead."""
+    from ..errors import FlexlabError
+    from ..mods import probe_mods_at_origin
+    try:
+        probe_mods_at_origin(score_mod, block_mask.mask_mod if block_mask is not None else None, device)
+    except FlexlabError as ours:
+        raise ours from err
+    except Exception:  # (the mod itself raises at the origin: torch's own error already says so)
+        return
 
 
 def reset_torch_backend() -> None:

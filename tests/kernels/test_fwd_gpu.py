@@ -11,7 +11,7 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-from flexlab.testing import TOLERANCES, random_qkv, reference, rel_l2  # noqa: E402
+from flexlab.testing import LSE_ABS_TOL, TOLERANCES, random_qkv, reference, rel_l2  # noqa: E402
 
 
 def _hopper():
@@ -35,7 +35,8 @@ def _check(out, lse, q, k, v, score_mod=None, block_mask=None, scale=None, dead_
     assert err < TOLERANCES[q.dtype], f"rel-L2 {err:.2e}"
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite), "LSE -inf pattern differs"
-    assert (lse[finite].double() - ref_lse[finite]).abs().max().item() < 2e-2
+    lse_err = (lse[finite].double() - ref_lse[finite]).abs().max().item()
+    assert lse_err < LSE_ABS_TOL, f"LSE max abs error {lse_err:.2e}"
     if dead_rows is not None:
         assert (out[:, :, dead_rows] == 0).all(), "fully masked rows must be exactly 0"
         assert torch.isneginf(lse[:, :, dead_rows]).all()
@@ -402,7 +403,8 @@ def test_zero_and_negative_scale_take_torch_backend(D):
     ref_out, _ = reference(q, k, v, None, bm, 0.1)
     assert rel_l2(out, ref_out) < TOLERANCES[q.dtype]
     for scale in (0.0, -0.1):
-        out = flexlab.flex_attention(q, k, v, block_mask=bm, scale=scale)
+        with pytest.warns(flexlab.FallbackWarning, match=r"scale=.* flexlab's kernels need scale > 0"):
+            out = flexlab.flex_attention(q, k, v, block_mask=bm, scale=scale)
         ref_out, _ = reference(q, k, v, None, bm, scale)
         assert not torch.isnan(out).any()
         assert rel_l2(out, ref_out) < TOLERANCES[q.dtype], scale

@@ -9,7 +9,7 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-from flexlab.testing import TOLERANCES, random_qkv, reference, rel_l2  # noqa: E402
+from flexlab.testing import LSE_ABS_TOL, TOLERANCES, random_qkv, reference, rel_l2  # noqa: E402
 
 
 def _hopper():
@@ -26,7 +26,8 @@ def _check(out, lse, q, k, v, block_mask):
     assert err < TOLERANCES[q.dtype], f"rel-L2 {err:.2e}"
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse), finite), "LSE -inf pattern differs"
-    assert (lse[finite].double() - ref_lse[finite]).abs().max().item() < 2e-2
+    lse_err = (lse[finite].double() - ref_lse[finite]).abs().max().item()
+    assert lse_err < LSE_ABS_TOL, f"LSE max abs error {lse_err:.2e}"
 
 
 def _masks(S_kv, device):
