@@ -131,8 +131,10 @@ def test_public_call_takes_wide_tiles_for_long_d64_documents(Sq, Skv):
     launch._PLANS.clear()  # only this call's plans below (compiled kernels stay cached)
     out, lse = flexlab.flex_attention(q, k, v, block_mask=bm, return_lse=True, enable_gqa=True, backend="cute")
     _check(out, lse, q, k, v, bm)
-    plans = [plan for (base, compiled, _) in launch._PLANS.values() for plan in compiled if base.head_dim == 64]
-    assert any(bits and tile_m == 192 for *_, bits, tile_m in plans), plans
+    # the configurations this call compiled, by name (not the launcher's positional plan key)
+    ran = [key.config for (base, compiled, _) in launch._PLANS.values() for _, key in compiled.values()
+           if base.head_dim == 64]
+    assert any(cfg.mask_bits and cfg.tile_m == 192 for cfg in ran), ran
     base = launch.config_for(64, True, low.mods, Skv)
     out_eval, _ = launch.forward(q, k, v, low.mods, low.tensors_on(q.device), low.aux_scalars, bm, config=base)
     assert rel_l2(out, out_eval) < 1e-2
