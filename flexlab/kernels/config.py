@@ -49,11 +49,14 @@ ABLATIONS = {
 # flip them. D=128: ((min seqlen_k, K/V stages), ...) tried longest first; empty = 2 stages everywhere.
 D128_STAGES_FROM_SEQLEN: tuple[tuple[int, int], ...] = ()
 # D=64 with a block mask (no score_mod): 192-row tiles (a BlockMask at 128 is then merged per tile, see
-# `flexlab.runtime.sparsity`), or 128. H200 causal, kernel time: 1.06x at B4 S4k, 1.13x at B1 S16k over 128 rows.
+# `flexlab.runtime.sparsity`), or 128. H200 causal, kernel time: 1.06x at B4 S4k, 1.13x at B1 S16k over 128 rows;
+# H100, forward timed in turns: 1.049x and 1.145x (fwd_d64_tile128_probe_h100_2026-12-07.json.gz).
 D64_SPARSE_TILE_M = 192
 # D=256 with a block mask: 64-key tiles (a divisor of torch's 128-key mask blocks), or 80 as the dense kernel takes
 # (a mask at 128 is then merged per tile, `MERGED_TILE_N` in `flexlab.runtime.sparsity`: a tile straddling two mask
-# columns is full only where both are). 80 compiles without spills (CPU test); not yet timed, so 64 stays.
+# columns is full only where both are). 80 compiles without spills (CPU test) and is slower: forward timed in turns,
+# 80 against 64, H200 causal B4·S4k 0.984x, sliding window 0.952x, causal B1·S16k 0.999x (BENCHMARKS.md,
+# 2026-12-04); H100 0.986x, 0.958x, 1.006x (fwd_d256_sparse_tile_n80_probe_h100_2026-12-07.json.gz). 64 stays.
 D256_SPARSE_TILE_N = 64
 # Dense kernels (no mask, no score_mod): CTAs per K/V multicast cluster (`FwdConfig.cluster_m`), 1 or 2. H200, kernel
 # time: D=64 1.03-1.07x at B4 S4k and B1 S16k over three sweeps
@@ -127,6 +130,13 @@ LAZY_RESCALE_MIN_HEAD_DIM = 128
 # at B1·S16k and 1.008x at B4·S4k, D=256 0.997x. Causal bands, bounded above only, lose with it (D=128 0.99x at B4·S4k
 # and B1·S16k, D=64 1.00x), as the mask_mod is one compare per score there, so they keep it.
 BAND_MASK_MAX_HEAD_DIM = 128
+# Block-sparse kernels whose Q tiles straddle mask rows (192 rows, `runtime.sparsity.MERGED_TILE_M`) and do not
+# divide seqlen_q put the padded rows in the first tile (`FwdConfig.ragged_first_tile`) where the mask's lists then
+# visit at least this fraction fewer KV blocks than with the padded rows last (1.0: never). H100, D=64 forward timed
+# in turns, the median of 21 rounds' ratios (fwd_ragged_first_probe_h100_2026-12-07.json.gz): causal B4·S4k 1.048x
+# (363 visits per head against 384, 5.5% fewer), causal B1·S16k 1.015x (1.5% fewer), sliding window B1·S16k 0.995x
+# (0.4% fewer).
+RAGGED_FIRST_MIN_SAVING = 0.01
 
 
 @dataclass(frozen=True)
@@ -226,6 +236,13 @@ class FwdConfig:
     # D=128 767 / 619, D=256 609 / 553; causal D=64 595 / 568, D=128 638 / 607 (full-block steps unchanged). The
     # default for sliding windows up to `BAND_MASK_MAX_HEAD_DIM` (`band_options`).
     band_mask: bool = False
+    # Block-sparse only: the Q tile that holds the rows left over when seqlen_q is not a multiple of tile_m is the
+    # first tile instead of the last; tile t starts at row t * tile_m - pad (pad = -seqlen_q % tile_m), its rows
+    # before 0 zero-filled by TMA and never stored. A 192-row tile over 4096 queries leaves 128 padded rows, and
+    # under a causal mask the last tile is the longest (every KV block), the first the shortest (one): moved there,
+    # the padded rows cost one step instead of 32. The launcher takes it where the mask's lists then visit fewer KV
+    # blocks (`RAGGED_FIRST_MIN_SAVING`, `runtime.launch`).
+    ragged_first_tile: bool = False
     # Debug only, never set by the public API: stages removed for timing (names in ABLATIONS; results are wrong).
     ablate: tuple[str, ...] = ()
 
@@ -309,6 +326,9 @@ class FwdConfig:
         if self.split_tail and (not self.persistent_ctas or self.dynamic_tiles or self.mask_bits):
             return "split_tail=True cuts the tail tiles of a static persistent grid by KV blocks: it needs " \
                    "persistent_ctas > 0 and neither dynamic_tiles nor mask_bits (dense grids only)"
+        if self.ragged_first_tile and (self.cluster_m > 1 or self.split_tail):
+            return "ragged_first_tile=True moves a block-sparse kernel's padded Q rows to its first tile: not with " \
+                   "cluster_m=2 or split_tail (dense grids only)"
         if not 0 <= self.exp2_poly <= 8:
             return f"exp2_poly={self.exp2_poly} must be in [0, 8] (scores per 8 computed on the FMA pipe)"
         if self.smem_bytes() > SMEM_BYTES_SM90:

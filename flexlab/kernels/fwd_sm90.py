@@ -155,6 +155,13 @@ class FlexFwdSm90:
             if cutlass.const_expr(sparse is not None):
                 raise ValueError("FwdConfig.cluster_m=2 shares K/V between two Q tiles: dense grids only")
             kv_op = cpasync.CopyBulkTensorTileG2SMulticastOp()
+        if cutlass.const_expr(self.cfg.ragged_first_tile and sparse is None):
+            raise ValueError("FwdConfig.ragged_first_tile moves the padded Q rows by the block lists' tiling: "
+                             "block-sparse grids only")
+        if cutlass.const_expr(self.cfg.ragged_first_tile and self.clamp_indices
+                              and (self.score_mod is not None or (self.mask_mod is not None and not self.mask_bits))):
+            raise ValueError("FwdConfig.ragged_first_tile: mods that read captured tensors would index them at the "
+                             "first tile's rows before 0; store the mask as bits (mask_bits) instead")
         if cutlass.const_expr(self.split_tail and sparse is not None):
             raise ValueError("FwdConfig.split_tail cuts tiles into even runs of KV blocks: dense grids only")
         tma_k, mK_t = cpasync.make_tiled_tma_atom(kv_op, mK, one_stage, (tile_n, hd), num_multicast=self.cluster_m)
@@ -178,7 +185,9 @@ class FlexFwdSm90:
                         1, 1]
             tiles = (num_pairs, mQ.shape[2], num_hb, heads_per_group)
             launch = {"cluster": [self.cluster_m, 1, 1]}
-        self.kernel(mQ_t, mK_t, mV_t, mO_t, mLSE, tma_q, tma_k, tma_v, tma_o, softmax_scale, log2_scale,
+        # `ragged_first_tile`: the first tile's O leaves by plain stores (a TMA store cannot start at a negative row)
+        mO_rows = mO if cutlass.const_expr(self.cfg.ragged_first_tile) else None
+        self.kernel(mQ_t, mK_t, mV_t, mO_t, mLSE, mO_rows, tma_q, tma_k, tma_v, tma_o, softmax_scale, log2_scale,
                     qhead_per_kvhead, tiles, sparse, order, workspace, aux_tensors, aux_scalars, sQ_layout,
                     sKV_layout, tiled_mma_qk, tiled_mma_pv, Storage).launch(
             grid=grid, block=[self.cfg.num_threads, 1, 1], stream=stream, min_blocks_per_mp=1,
@@ -186,7 +195,7 @@ class FlexFwdSm90:
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
-    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE,
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mV: cute.Tensor, mO: cute.Tensor, mLSE, mO_rows,
                tma_q: cute.CopyAtom, tma_k: cute.CopyAtom, tma_v: cute.CopyAtom, tma_o: cute.CopyAtom,
                softmax_scale: Float32, log2_scale: Float32, qhead_per_kvhead: Int32, tiles, sparse, order,
                workspace, aux_tensors, aux_scalars, sQ_layout: cute.ComposedLayout,
@@ -270,9 +279,10 @@ class FlexFwdSm90:
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             tidx = cute.arch.thread_idx()[0] - 128
-            self.consume(mQ, mO, mLSE, sQ, sO, sK, transpose_smem(sV), tma_o, tiled_mma_qk, tiled_mma_pv,
-                         pipe_q, pipe_k, pipe_v, tidx, warp_idx, tiles, sparse, order, num_kv_blocks, first, seqlen_k,
-                         softmax_scale, log2_scale, aux_tensors, aux_scalars, handoff, bits, tail)
+            self.consume(mQ, mO if cutlass.const_expr(mO_rows is None) else (mO, mO_rows), mLSE, sQ, sO, sK,
+                         transpose_smem(sV), tma_o, tiled_mma_qk, tiled_mma_pv, pipe_q, pipe_k, pipe_v, tidx,
+                         warp_idx, tiles, sparse, order, num_kv_blocks, first, seqlen_k, softmax_scale,
+                         log2_scale, aux_tensors, aux_scalars, handoff, bits, tail)
 
     # ------------------------------------------------------------------ producer
     @cute.jit
@@ -358,7 +368,8 @@ class FlexFwdSm90:
         """Q once, then K one block ahead of V so QK of block j can start before PV of block j-1.
 
         Persistent: the first K goes before Q, so it can land while the previous tile still holds the Q buffer."""
-        gQ = cute.local_tile(mQ[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
+        gQ = cute.local_tile(self.rows_of_tiles(mQ[None, None, head, batch]), (self.tile_m, self.head_dim),
+                             (m_block, 0))
         tQsQ, tQgQ = tma_tiles(tma_q, sQ, gQ)
         gK = cute.local_tile(mK[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
         gV = cute.local_tile(mV[None, None, head_kv, batch], (self.tile_n, self.head_dim), (None, 0))
@@ -500,7 +511,7 @@ class FlexFwdSm90:
         softmax.reset()
         acc_O.fill(0.0)
         seqlen_q = mQ.shape[0]
-        q_start = m_block * self.tile_m
+        q_start = m_block * self.tile_m - self.first_tile_pad(seqlen_q)
         q_last, kv_last = seqlen_q - 1, seqlen_k - 1
         mods = (batch, head, q_start, q_last, kv_last, softmax_scale, aux_tensors, aux_scalars)
         if cutlass.const_expr(stored is not None):  # now also this tile's batch, head and Q tile
@@ -569,6 +580,31 @@ class FlexFwdSm90:
                       m_block, head, batch, seqlen_q, keep)
         q_state.advance()
         return q_state, state
+
+    def first_tile_pad(self, seqlen_q):
+        """Rows Q tile 0 starts before row 0: the padding of a ragged last tile, moved to the first one
+        (`FwdConfig.ragged_first_tile`), else 0."""
+        if cutlass.const_expr(self.cfg.ragged_first_tile):
+            return cute.ceil_div(seqlen_q, self.tile_m) * self.tile_m - seqlen_q
+        return Int32(0)
+
+    def rows_of_tiles(self, mX):
+        """`mX` (rows, head_dim) of one head, shifted so that tile t of `local_tile` covers the rows Q tile t covers
+        (`first_tile_pad`): with `ragged_first_tile` tile 0 starts at a negative row, which TMA zero-fills on loads;
+        a TMA store there is an illegal instruction, so that tile's O leaves by `store_rows` instead."""
+        if cutlass.const_expr(self.cfg.ragged_first_tile):
+            return cute.domain_offset((-self.first_tile_pad(mX.shape[0]), 0), mX)
+        return mX
+
+    @cute.jit
+    def store_rows(self, rO, tiled_mma_pv, tidx: Int32, mO_rows, q_base: Int32, head: Int32, batch: Int32):
+        """This thread's O elements of the rows at or after row 0 of a tile that starts at row `q_base` < 0, stored
+        one by one (`ragged_first_tile`: one tile per head, so their cost is small beside its GEMMs)."""
+        coords = tiled_mma_pv.get_slice(tidx).partition_C(cute.make_identity_tensor((self.tile_m, self.head_dim)))
+        for i in cutlass.range_constexpr(cute.size(rO)):
+            q_idx = q_base + coords[i][0]
+            if q_idx >= 0:
+                mO_rows[q_idx, coords[i][1], head, batch] = rO[i]
 
     def release_q_after_mainloop(self, pipe_q, q_state):
         """Persistent kernel with its own O buffer: Q is free once this warpgroup's last QK GEMM has completed."""
@@ -701,6 +737,10 @@ class FlexFwdSm90:
         column 0. `keep` (split tail): 0 for a part of a cut tile that another part stores, which then writes
         neither; the shared-memory steps and barriers run all the same."""
         store = not self.ablated("store")
+        # (`ragged_first_tile`: O's TMA tensor and O as a plain tensor, for the first tile's stores)
+        mO_tma = mO[0] if cutlass.const_expr(self.cfg.ragged_first_tile) else mO
+        mO_rows = mO[1] if cutlass.const_expr(self.cfg.ragged_first_tile) else None
+        q_base = m_block * self.tile_m - self.first_tile_pad(seqlen_q)
         rO = cute.make_rmem_tensor_like(acc_O, self.dtype)
         convert_to_16bit(acc_O, rO)
         if cutlass.const_expr(self.separate_o):
@@ -724,22 +764,31 @@ class FlexFwdSm90:
             c_rows = rows_view(coords)
             if c_rows[0, 0][1] == 0:
                 if writes != 0:
-                    q_base = m_block * self.tile_m
                     for r in cutlass.range_constexpr(cute.size(lse)):
                         q_idx = q_base + c_rows[r, 0][0]
                         if q_idx < seqlen_q:
-                            mLSE[q_idx, head, batch] = lse[r]
+                            if cutlass.const_expr(self.cfg.ragged_first_tile):
+                                if q_idx >= 0:  # (the first tile's rows before 0)
+                                    mLSE[q_idx, head, batch] = lse[r]
+                            else:
+                                mLSE[q_idx, head, batch] = lse[r]
 
+        tma_writes = writes
+        if cutlass.const_expr(store and self.cfg.ragged_first_tile):
+            if q_base < 0:  # the first tile: its rows from 0 on, from registers; no TMA store
+                self.store_rows(rO, tiled_mma_pv, tidx, mO_rows, q_base, head, batch)
+            tma_writes = cutlass.select_(q_base < 0, Int32(0), writes)
         if cutlass.const_expr(store):
             stored = int(FwdBarrier.O_STORED if self.persistent else FwdBarrier.EPILOGUE)
             cute.arch.fence_view_async_shared()
             cute.arch.barrier_arrive(barrier_id=stored, number_of_threads=self.num_consumer_threads + 32)
             if warp_idx == 4:
                 cute.arch.barrier(barrier_id=stored, number_of_threads=self.num_consumer_threads + 32)
-                gO = cute.local_tile(mO[None, None, head, batch], (self.tile_m, self.head_dim), (m_block, 0))
+                gO = cute.local_tile(self.rows_of_tiles(mO_tma[None, None, head, batch]),
+                                     (self.tile_m, self.head_dim), (m_block, 0))
                 tOsO, tOgO = tma_tiles(tma_o, sO, gO)
                 with cute.arch.elect_one():
-                    if writes != 0:
+                    if tma_writes != 0:
                         cute.copy(tma_o, tOsO, tOgO)
                     cute.arch.cp_async_bulk_commit_group()
                     if cutlass.const_expr(not self.separate_o):

@@ -21,7 +21,7 @@ from ..kernels.config import FwdConfig, d128_stages, default_config
 from . import poison
 from .compile import CompileKey, KernelMods, cutlass_version, forward_kernel, tvm_ffi_available
 from .schedule import heads_per_group
-from .sparsity import kernel_block_mask
+from .sparsity import MERGED_TILE_M, kernel_block_mask, ragged_first_offset
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -297,13 +297,42 @@ def _to_cute(t, align: int | None = None):
 _NO_MODS = KernelMods()
 
 
-def _stored_bits(q: torch.Tensor, kbm, cfg: FwdConfig, seqlen_k: int, stored_masks):
+def _stored_bits(q: torch.Tensor, kbm, cfg: FwdConfig, seqlen_k: int, stored_masks, ragged_first: bool = False):
     """The partial-block bits of `kbm` for a kernel with `cfg`'s tiles (`runtime.mask_bits.StoredBits`), or None
-    where none are stored (no store given, tiles the bit layout does not cover, or too large)."""
+    where none are stored (no store given, tiles the bit layout does not cover, or too large). `ragged_first`: `kbm`
+    was built with the padded Q rows in the first tile (`FwdConfig.ragged_first_tile`)."""
     if stored_masks is None or kbm is None or not with_mask_bits(cfg).mask_bits:
         return None
     B, Hq, Sq, _ = q.shape
-    return stored_masks.bits(kbm, kbm.kv_num, kbm.kv_idx, B, Hq, True, cfg.tile_m, Sq, seqlen_k)
+    offset = ragged_first_offset(Sq, cfg.tile_m) if ragged_first else 0
+    return stored_masks.bits(kbm, kbm.kv_num, kbm.kv_idx, B, Hq, True, cfg.tile_m, Sq, seqlen_k, row_offset=offset)
+
+
+def may_move_padding(tiles: FwdConfig, seqlen_q: int, mods: KernelMods, reads_bits: bool) -> bool:
+    """Whether a block-sparse kernel with these tiles may put its padded Q rows in the first tile
+    (`FwdConfig.ragged_first_tile`), before the mask's lists are looked at: the policy allows it, the tiles straddle
+    mask rows and do not divide seqlen_q, and no mod reads a captured tensor at the first tile's rows before 0 (no
+    score_mod; a mask that reads tensors only through stored bits, `reads_bits`)."""
+    return (_policy.RAGGED_FIRST_MIN_SAVING < 1 and tiles.tile_m in MERGED_TILE_M and bool(seqlen_q % tiles.tile_m)
+            and mods.score_mod is None and (not mods.aux_tensor_specs or reads_bits))
+
+
+def _ragged_first(q: torch.Tensor, mods: KernelMods, block_mask, tiles: FwdConfig, kbm, bits, seqlen_k: int,
+                  stored_masks) -> tuple | None:
+    """(lists, bits) with the padded Q rows in the first tile (`FwdConfig.ragged_first_tile`) where the policy takes
+    them (`may_move_padding`) and the lists then visit at least `RAGGED_FIRST_MIN_SAVING` fewer KV blocks, else
+    None."""
+    Sq = q.shape[2]
+    if not may_move_padding(tiles, Sq, mods, bits is not None):
+        return None
+    moved = kernel_block_mask(block_mask, Sq, tiles.tile_m, tiles.tile_n, seqlen_k, ragged_first=True)
+    saving = _policy.RAGGED_FIRST_MIN_SAVING
+    if moved.mean_kv_blocks > kbm.mean_kv_blocks * (1 - saving) or moved.mean_kv_blocks >= kbm.mean_kv_blocks:
+        return None
+    if bits is None:
+        return moved, None
+    moved_bits = _stored_bits(q, moved, tiles, seqlen_k, stored_masks, ragged_first=True)
+    return None if moved_bits is None else (moved, moved_bits)
 
 
 def _sparse_args(kbm, bits) -> tuple:
@@ -332,10 +361,11 @@ def _plan(q: torch.Tensor, k: torch.Tensor, mods: KernelMods, block_mask, config
     sparse = block_mask is not None
     if config is not None:
         fn, key = _compiled(mods, q.dtype, config, arch, sparse, writes_lse)
-        kbm = kernel_block_mask(block_mask, q.shape[2], config.tile_m, config.tile_n, Skv) if sparse else None
+        kbm = kernel_block_mask(block_mask, q.shape[2], config.tile_m, config.tile_n, Skv,
+                                config.ragged_first_tile) if sparse else None
         args = kbm.as_args() if sparse else None
         if config.mask_bits:
-            bits = _stored_bits(q, kbm, config, Skv, stored_masks)
+            bits = _stored_bits(q, kbm, config, Skv, stored_masks, config.ragged_first_tile)
             if bits is None:
                 raise ValueError("FwdConfig.mask_bits=True needs a block mask and stored mask bits (stored_masks=)")
             args = _sparse_args(kbm, bits)
@@ -347,7 +377,7 @@ def _plan(q: torch.Tensor, k: torch.Tensor, mods: KernelMods, block_mask, config
     if plans is None:
         plans = _PLANS[fast] = (config_for(D, sparse, mods, Skv), {},
                                 dynamic_at_any_length(D, sparse, mods.score_mod is not None))
-    # compiled: (scheduling, SM count of a persistent kernel or 0, reads bits, tile_m) -> ...
+    # compiled: (scheduling, SM count of a persistent kernel or 0, reads bits, tile_m, ragged first tile) -> ...
     base, compiled, any_length = plans
     kbm = kernel_block_mask(block_mask, q.shape[2], base.tile_m, base.tile_n, Skv) if sparse else None
     mean = kbm.mean_kv_blocks if sparse else dense_mean_kv_blocks(base, Skv)
@@ -361,12 +391,17 @@ def _plan(q: torch.Tensor, k: torch.Tensor, mods: KernelMods, block_mask, config
         wide_bits = _stored_bits(q, wide_kbm, wide, Skv, stored_masks) if wide is not None else None
         if wide_bits is not None:
             tiles, kbm, bits = wide, wide_kbm, wide_bits
-    plan = (how, num_sms, bits is not None, tiles.tile_m)
+    moved = _ragged_first(q, mods, block_mask, tiles, kbm, bits, Skv, stored_masks) if sparse else None
+    if moved is not None:
+        kbm, bits = moved
+    plan = (how, num_sms, bits is not None, tiles.tile_m, moved is not None)
     hit = compiled.get(plan)
     if hit is None:
         cfg = scheduled(tiles, how, num_sms)
         if bits is not None:
             cfg = with_mask_bits(cfg)
+        if moved is not None:
+            cfg = dataclasses.replace(cfg, ragged_first_tile=True)
         hit = compiled[plan] = _compiled(mods, q.dtype, cfg, arch, sparse, writes_lse)
     fn, key = hit
     args = None if kbm is None else _sparse_args(kbm, bits)

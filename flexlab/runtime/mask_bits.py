@@ -75,13 +75,15 @@ def unpack_fragment_order(words: torch.Tensor, cols: int = 128) -> torch.Tensor:
 
 def build(mask_mod, num: torch.Tensor, idx: torch.Tensor, *, batch: int, heads: int, rows_are_q: bool,
           tile_rows: int, len_rows: int, len_cols: int, varies_b: bool, varies_h: bool, tile_cols: int = 128,
-          chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor | None:
+          chunk_elements: int = CHUNK_ELEMENTS, row_offset: int = 0) -> torch.Tensor | None:
     """The stored bits of every listed partial block (layout in the module docstring), or None when they would
     take more than `MAX_BYTES`.
 
     `rows_are_q`: the kernel's accumulator rows are queries (forward) or keys (a backward that computes S^T).
     Indices past a sequence end are clamped to its last position (those rows are never stored, those columns are
-    masked by the kernel's own tail test), so the mask_mod never reads past a captured buffer."""
+    masked by the kernel's own tail test), so the mask_mod never reads past a captured buffer. `row_offset`: row tile
+    o starts at o * tile_rows - row_offset (the forward's `FwdConfig.ragged_first_tile`); rows before 0, never
+    stored either, are clamped to 0."""
     longest = int(num.max()) if num.numel() else 0
     shape = stored_shape(num, idx, batch, heads, tile_rows, varies_b, varies_h, longest)
     if 4 * math.prod(shape) > MAX_BYTES:
@@ -105,7 +107,7 @@ def build(mask_mod, num: torch.Tensor, idx: torch.Tensor, *, batch: int, heads: 
         o = g % n_outer
         h = (g // n_outer) % hx
         b = g // (n_outer * hx)
-        row_idx = torch.clamp(o[:, None, None, None] * tile_rows + rows[:, None], max=len_rows - 1)
+        row_idx = torch.clamp(o[:, None, None, None] * tile_rows + rows[:, None] - row_offset, 0, len_rows - 1)
         col_idx = torch.clamp(flat_lists[g][:, :, None, None] * tile_cols + cols, max=len_cols - 1)
         row_idx, col_idx = torch.broadcast_tensors(row_idx, col_idx)  # (G, P, tile_rows, 128)
         q_idx, kv_idx = (row_idx, col_idx) if rows_are_q else (col_idx, row_idx)
@@ -177,11 +179,12 @@ class StoredMasks:
         self._cache: OrderedDict = OrderedDict()  # key -> (owner, versions, bits or None)
 
     def bits(self, owner, num: torch.Tensor, idx: torch.Tensor, batch: int, heads: int, rows_are_q: bool,
-             tile_rows: int, len_rows: int, len_cols: int, tile_cols: int = 128) -> StoredBits | None:
+             tile_rows: int, len_rows: int, len_cols: int, tile_cols: int = 128,
+             row_offset: int = 0) -> StoredBits | None:
         """Cached `build`, with the blocks it finds empty dropped from the lists (`drop_empty_blocks`); `owner` (the
         kernel's block lists, which hold `num` and `idx`) is kept alive with the entry so that its id is not reused
         while cached."""
-        key = (id(owner), batch, heads, rows_are_q, tile_rows, len_rows, len_cols, tile_cols)
+        key = (id(owner), batch, heads, rows_are_q, tile_rows, len_rows, len_cols, tile_cols, row_offset)
         versions = tuple(t._version for t in self.watch)
         hit = self._cache.get(key)
         if hit is not None and hit[1] == versions:
@@ -189,7 +192,7 @@ class StoredMasks:
             return hit[2]
         bits = build(self.mask_mod, num, idx, batch=batch, heads=heads, rows_are_q=rows_are_q, tile_rows=tile_rows,
                      len_rows=len_rows, len_cols=len_cols, varies_b=self.varies_b, varies_h=self.varies_h,
-                     tile_cols=tile_cols)
+                     tile_cols=tile_cols, row_offset=row_offset)
         if bits is not None:
             bits = drop_empty_blocks(num, idx, bits)
         self._cache[key] = (owner, versions, bits)

@@ -40,7 +40,7 @@ def forward_keys(score_mod, mask_mod, head_dim: int, dtype, seqlens, num_sms: in
     import dataclasses
 
     from ..backends.cute import kernel_mods, stores_mask_bits
-    from .launch import bits_wide_tiles, compile_key, config_for
+    from .launch import bits_wide_tiles, compile_key, config_for, may_move_padding
     mods = kernel_mods(score_mod, mask_mod)
     sparse = mods.mask_mod is not None
     bits = sparse and stores_mask_bits(score_mod, mask_mod)
@@ -53,6 +53,9 @@ def forward_keys(score_mod, mask_mod, head_dim: int, dtype, seqlens, num_sms: in
             if cfgs[0].mask_bits and bits_wide_tiles(cfgs[0], float("inf"), mods.score_mod is not None) is not None:
                 # wide tiles where the mask's density asks for them (`launch.bits_wide_tiles`): unknown here
                 cfgs.append(dataclasses.replace(cfgs[0], tile_m=192, num_stages=3))
+            # the padded Q rows in the first tile where the mask's lists get shorter so (`launch._ragged_first`)
+            cfgs += [dataclasses.replace(cfg, ragged_first_tile=True) for cfg in cfgs
+                     if sparse and may_move_padding(cfg, seqlen, mods, cfg.mask_bits)]
             for cfg in cfgs:
                 for writes_lse in (True, False):
                     key = compile_key(mods, dtype, cfg, "sm_90a", sparse, writes_lse)

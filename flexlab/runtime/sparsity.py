@@ -61,13 +61,15 @@ def _split(num: torch.Tensor, idx: torch.Tensor, rq: int, rk: int, n_q: int) -> 
     return num[:, :, :n_q].to(torch.int32).contiguous(), idx[:, :, :n_q].to(torch.int32).contiguous()
 
 
-def _covered(states: torch.Tensor, dim: int, count: int, tile: int, block: int, length: int) -> torch.Tensor:
-    """`states` (block states along `dim`) at `count` tiles of `tile` along that axis: a tile is empty where every
-    block it covers (up to `length`) is empty, full where every one is full, partial otherwise."""
+def _covered(states: torch.Tensor, dim: int, count: int, tile: int, block: int, length: int,
+             offset: int = 0) -> torch.Tensor:
+    """`states` (block states along `dim`) at `count` tiles of `tile` along that axis, tile t starting at
+    t * tile - offset: a tile is empty where every block it covers (within [0, length)) is empty, full where every one
+    is full, partial otherwise."""
     from ..mask.block_mask import BLOCK_EMPTY, BLOCK_FULL, BLOCK_PARTIAL
     t = torch.arange(count, device=states.device)
-    first = t * tile // block
-    last = (torch.clamp((t + 1) * tile, max=length) - 1) // block
+    first = torch.clamp(t * tile - offset, min=0) // block
+    last = (torch.clamp((t + 1) * tile - offset, max=length) - 1) // block
     nonempty = full = None
     for k in range(-(-tile // block) + 1):  # a tile covers at most ceil(tile / block) + 1 blocks
         s = states.index_select(dim, torch.minimum(first + k, last))
@@ -76,8 +78,9 @@ def _covered(states: torch.Tensor, dim: int, count: int, tile: int, block: int, 
     return torch.where(full, BLOCK_FULL, torch.where(nonempty, BLOCK_PARTIAL, BLOCK_EMPTY)).to(torch.int8)
 
 
-def _merged(block_mask, seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int, n_q: int) -> tuple:
-    """Lists for tiles that straddle mask rows or columns (see the module docstring); KV blocks in ascending order."""
+def _merged(block_mask, seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int, n_q: int, q_offset: int = 0) -> tuple:
+    """Lists for tiles that straddle mask rows or columns (see the module docstring), Q tile t starting at row
+    t * tile_m - q_offset; KV blocks in ascending order."""
     from ..mask.block_mask import BLOCK_FULL, BLOCK_PARTIAL, block_states
     q_bs, kv_bs = (int(x) for x in block_mask.BLOCK_SIZE)
     states = block_states(block_mask)  # (B, H, mask rows, mask cols)
@@ -85,8 +88,8 @@ def _merged(block_mask, seqlen_q: int, seqlen_k: int, tile_m: int, tile_n: int, 
         states = _covered(states, 3, -(-seqlen_k // tile_n), tile_n, kv_bs, seqlen_k)
     elif kv_bs > tile_n:
         states = states.repeat_interleave(kv_bs // tile_n, dim=-1)
-    if q_bs % tile_m:
-        states = _covered(states, 2, n_q, tile_m, q_bs, seqlen_q)
+    if q_bs % tile_m or q_offset:
+        states = _covered(states, 2, n_q, tile_m, q_bs, seqlen_q, q_offset)
     else:
         states = states.repeat_interleave(q_bs // tile_m, dim=2)[:, :, :n_q]
     partial, full = states == BLOCK_PARTIAL, states == BLOCK_FULL
@@ -128,11 +131,22 @@ def _ragged_block_first(kv_num, kv_idx, full_num, full_idx, tail: int) -> tuple:
     return kv_num, kv_idx, full_num, full_idx
 
 
-def kernel_block_mask(block_mask, seqlen_q: int, tile_m: int, tile_n: int, seqlen_k: int) -> KernelBlockMask:
+def ragged_first_offset(seqlen_q: int, tile_m: int) -> int:
+    """Rows the first Q tile starts before row 0 when the tile holding the rows that do not fill a whole tile is the
+    first instead of the last (`FwdConfig.ragged_first_tile`)."""
+    return -seqlen_q % tile_m
+
+
+def kernel_block_mask(block_mask, seqlen_q: int, tile_m: int, tile_n: int, seqlen_k: int,
+                      ragged_first: bool = False) -> KernelBlockMask:
     """The kernel's lists for `block_mask` at (tile_m, tile_n). With `seqlen_k` not a multiple of tile_n, the last
     KV block is, wherever a Q tile visits it, that tile's first partial block (`_ragged_block_first`): the forward
-    kernel masks the key tail only on the first block it visits."""
-    key = (id(block_mask), id(block_mask.kv_indices), tile_m, tile_n, seqlen_q, seqlen_k)
+    kernel masks the key tail only on the first block it visits. `ragged_first`: Q tile t starts at row
+    t * tile_m - `ragged_first_offset` (merged lists; tiles in `MERGED_TILE_M` only)."""
+    q_offset = ragged_first_offset(seqlen_q, tile_m) if ragged_first else 0
+    if q_offset and tile_m not in MERGED_TILE_M:
+        raise ValueError(f"ragged_first: Q tiles of {tile_m} rows straddle mask rows only at {MERGED_TILE_M}")
+    key = (id(block_mask), id(block_mask.kv_indices), tile_m, tile_n, seqlen_q, seqlen_k, q_offset)
     hit = _CACHE.get(key)
     if hit is not None:
         _CACHE.move_to_end(key)
@@ -140,8 +154,8 @@ def kernel_block_mask(block_mask, seqlen_q: int, tile_m: int, tile_n: int, seqle
     q_bs, kv_bs = (int(x) for x in block_mask.BLOCK_SIZE)
     rq, rk = q_bs // tile_m, kv_bs // tile_n
     n_q = -(-seqlen_q // tile_m)
-    if q_bs % tile_m or kv_bs % tile_n:
-        kv_num, kv_idx, full_num, full_idx = _merged(block_mask, seqlen_q, seqlen_k, tile_m, tile_n, n_q)
+    if q_bs % tile_m or kv_bs % tile_n or q_offset:
+        kv_num, kv_idx, full_num, full_idx = _merged(block_mask, seqlen_q, seqlen_k, tile_m, tile_n, n_q, q_offset)
     else:
         kv_num, kv_idx = _split(block_mask.kv_num_blocks, block_mask.kv_indices, rq, rk, n_q)
         if block_mask.full_kv_num_blocks is not None:

@@ -482,3 +482,59 @@ def test_d256_merged_80_key_tiles(variant, Sq, Skv, monkeypatch):
         launch._config.cache_clear()
         launch._PLANS.clear()
         api._WARM.clear()
+
+
+@needs_hopper
+@pytest.mark.parametrize("variant,Sq,Skv", [("causal", 4096, 4096), ("causal", 777, 1100),
+                                           ("sliding_window", 2000, 2000), ("prefix_lm", 900, 1300),
+                                           ("document", 4000, 4000), ("noop", 100, 300)])
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_d64_padded_rows_in_the_first_tile(variant, Sq, Skv, dynamic):
+    """`FwdConfig.ragged_first_tile`: 192-row tiles whose padded rows sit in the first tile, which starts at a
+    negative row (TMA zero-fills it on load and drops it on store; the LSE skips it). Against float64 with NaN-filled
+    outputs, GQA, Sq != Skv; the documents mask reads a captured tensor, so it runs on stored bits."""
+    import flexlab
+    from flexlab.backends.cute import _lowered
+    from flexlab.gallery import load_gallery
+    from flexlab.kernels.config import FwdConfig
+    from flexlab.runtime import launch
+    mods = load_gallery()[variant].build(B=2, H=4, Q_LEN=Sq, KV_LEN=Skv, device="cuda")
+    mask_mod = mods.mask_mod or (lambda b, h, q_idx, kv_idx: q_idx >= 0)
+    bm = flexlab.create_block_mask(mask_mod, 1, 1, Sq, Skv, device="cuda")
+    low = _lowered(mods.score_mod, mask_mod)
+    cfg = FwdConfig(head_dim=64, tile_m=192, tile_n=128, num_stages=3, ragged_first_tile=True,
+                    mask_bits=low.stored_masks is not None)
+    if dynamic:
+        cfg = launch._dynamic(cfg, 132)
+    q, k, v = random_qkv(2, 4, Sq, Skv, 64, torch.bfloat16, "cuda", Hkv=2)
+    out, lse = launch.forward(q, k, v, low.mods, low.tensors_on(q.device), low.aux_scalars, bm, config=cfg,
+                              stored_masks=low.stored_masks)
+    _check(out, lse, q, k, v, mods.score_mod, block_mask=bm)
+
+
+@needs_hopper
+@pytest.mark.parametrize("Sq", [4096, 1000])
+@pytest.mark.parametrize("ragged_first", [True, False])
+def test_launcher_moves_causal_padding_to_the_first_tile(Sq, ragged_first, monkeypatch):
+    """The default D=64 causal plan takes `ragged_first_tile` where the lists get shorter
+    (`RAGGED_FIRST_MIN_SAVING`); with the knob off the padded rows stay last. Both against float64."""
+    import flexlab
+    import flexlab.api as api
+    from flexlab.kernels import config as policy
+    from flexlab.runtime import launch
+    monkeypatch.setattr(policy, "RAGGED_FIRST_MIN_SAVING", 0.01 if ragged_first else 1.0)
+    launch.forget_plans()
+    api._WARM.clear()
+    try:
+        def causal(b, h, q_idx, kv_idx):
+            return q_idx >= kv_idx
+
+        bm = flexlab.create_block_mask(causal, 1, 1, Sq, Sq, device="cuda")
+        q, k, v = random_qkv(2, 4, Sq, Sq, 64, torch.bfloat16, "cuda", Hkv=2)
+        out, lse = flexlab.flex_attention(q, k, v, block_mask=bm, enable_gqa=True, return_lse=True, backend="cute")
+        planned = [hit[1].config for plans in launch._PLANS.values() for hit in plans[1].values()]
+        assert planned and all(cfg.tile_m == 192 and cfg.ragged_first_tile == ragged_first for cfg in planned), planned
+        _check(out, lse, q, k, v, block_mask=bm)
+    finally:
+        launch.forget_plans()
+        api._WARM.clear()

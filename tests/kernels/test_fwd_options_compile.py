@@ -73,6 +73,19 @@ def test_three_stages_persistent_reuses_q_for_o():
     assert re.search(r"cp\.async\.bulk\.wait_group\.read\s+0", ptx)  # the store has read O before Q reloads
 
 
+def test_ragged_first_tile_compiles_without_spills():
+    # `ragged_first_tile`: Q tile t starts at row t * 192 - pad. Inline masks and stored bits compile clean; a mask
+    # that gathers captured tensors inline would index them at rows before 0, and is refused at trace time.
+    from flexlab.runtime.launch import _dynamic
+    base = _dynamic(FwdConfig(head_dim=64, tile_m=192, tile_n=128, num_stages=3), 132)
+    for kind, extra in (("causal", {}), ("document", {"mask_bits": True})):
+        ptx, report = _compile(dataclasses.replace(base, ragged_first_tile=True, **extra), kind)
+        _sound(ptx, report)
+        assert "wgmma.mma_async" in ptx
+    with pytest.raises(ValueError, match="before 0"):
+        _compile(dataclasses.replace(base, ragged_first_tile=True), "document")
+
+
 def test_d64_block_sparse_192_row_tiles():
     ptx, report = _compile(FwdConfig(head_dim=64, tile_m=192, tile_n=128, num_stages=3), "causal")
     _sound(ptx, report)

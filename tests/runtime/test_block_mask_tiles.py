@@ -1,11 +1,12 @@
 """BlockMask -> kernel tiles: splitting a coarse mask must give exactly the blocks a fine mask lists."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from flexlab import create_block_mask
 from flexlab.mask import block_mask as bmod
-from flexlab.runtime.sparsity import incompatibility, kernel_block_mask
+from flexlab.runtime.sparsity import incompatibility, kernel_block_mask, ragged_first_offset
 
 
 def _causal(b, h, q, kv):
@@ -45,10 +46,10 @@ def _everything(b, h, q, kv):
     return q >= 0
 
 
-def _kernel_walk(q, k, v, mask_mod, kbm, tile_m, tile_n):
+def _kernel_walk(q, k, v, mask_mod, kbm, tile_m, tile_n, q_offset=0):
     """float64 attention as the forward kernel computes it: whole padded KV tiles (keys past Skv are zero rows, as TMA
     fills them), the listed blocks in list order, mask_mod on partial blocks (evaluated on padded columns too), and
-    the key-tail mask on the first visited block only."""
+    the key-tail mask on the first visited block only. Q tile t starts at row t * tile_m - `q_offset`."""
     S, Skv, D = q.shape[0], k.shape[0], q.shape[1]
     n_kv = -(-Skv // tile_n)
     kp = torch.zeros(n_kv * tile_n, D, dtype=q.dtype)
@@ -56,7 +57,7 @@ def _kernel_walk(q, k, v, mask_mod, kbm, tile_m, tile_n):
     kp[:Skv], vp[:Skv] = k, v
     out = torch.zeros_like(q)
     for t in range(kbm.kv_num.shape[-1]):
-        rows = torch.arange(t * tile_m, min((t + 1) * tile_m, S))
+        rows = torch.arange(max(0, t * tile_m - q_offset), min((t + 1) * tile_m - q_offset, S))
         blocks = [(j, True) for j in kbm.kv_idx[0, 0, t, :int(kbm.kv_num[0, 0, t])].tolist()]
         blocks += [(j, False) for j in kbm.full_idx[0, 0, t, :int(kbm.full_num[0, 0, t])].tolist()]
         s = torch.full((len(rows), n_kv * tile_n), float("-inf"), dtype=torch.float64)
@@ -203,3 +204,37 @@ def test_merged_key_tiles_skip_and_trust_only_what_every_covered_column_says():
     # rows 384..511: key tiles 0-3 (keys 0..319) in full columns; tile 4 (320..399) reaches the diagonal column 3
     assert states[3].tolist() == [2, 2, 2, 2, 1, 1, 1]
     assert "multiple of the kernel tile" in incompatibility(create_block_mask(_causal, 1, 1, S, S), 128, 96)
+
+
+# ------------------------------------------------------------------ the padded Q rows in the first tile
+def test_ragged_first_tiles_compute_the_same_attention():
+    # `FwdConfig.ragged_first_tile`: tile t starts at row t * 192 - pad, so the first tile holds the padded rows.
+    g = torch.Generator().manual_seed(3)
+    for S, skv in ((1000, 1000), (1000, 900), (777, 1000), (4096, 4096), (100, 300)):
+        q, k, v = (torch.randn(n, 16, generator=g, dtype=torch.float64) for n in (S, skv, skv))
+        offset = ragged_first_offset(S, 192)
+        assert 0 < offset < 192 and (S + offset) % 192 == 0
+        for mod in (_causal, _window, _doc_mask(max(S, skv)), _everything):
+            bm = create_block_mask(mod, 1, 1, S, skv, BLOCK_SIZE=128)
+            kbm = kernel_block_mask(bm, S, 192, 128, skv, ragged_first=True)
+            assert kbm.kv_num.shape[-1] == -(-S // 192)
+            keep = mod(0, 0, torch.arange(S)[:, None], torch.arange(skv)[None, :])
+            ref = torch.softmax((q @ k.T).masked_fill(~keep, float("-inf")), dim=-1).nan_to_num(0.0) @ v
+            walked = _kernel_walk(q, k, v, mod, kbm, 192, 128, offset)
+            assert (walked - ref).abs().max() < 1e-12, (mod.__name__, S, skv)
+
+
+def test_ragged_first_tiles_shorten_a_causal_walk():
+    # 4096 queries in 22 tiles of 192 rows: padded last, the longest tile (32 KV blocks) carries 128 padded rows;
+    # padded first, the shortest (1 block) does.
+    bm = create_block_mask(_causal, 1, 1, 4096, 4096, BLOCK_SIZE=128)
+    last = kernel_block_mask(bm, 4096, 192, 128, 4096)
+    first = kernel_block_mask(bm, 4096, 192, 128, 4096, ragged_first=True)
+    assert int((last.kv_num + last.full_num).sum()) == 384
+    assert int((first.kv_num + first.full_num).sum()) == 363
+    assert (first.kv_num + first.full_num)[0, 0, 0].item() == 1
+    assert first.mean_kv_blocks < last.mean_kv_blocks
+    # tiles that divide the mask's rows are split, not merged: moving their padding is refused
+    with pytest.raises(ValueError, match="straddle"):
+        kernel_block_mask(bm, 1000, 128, 128, 1000, ragged_first=True)
+    assert ragged_first_offset(4032, 192) == 0

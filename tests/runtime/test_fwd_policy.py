@@ -261,3 +261,43 @@ def test_forget_plans_drops_every_memo_a_knob_reaches_and_keeps_static_facts(fre
     fresh_policy.setattr(policy, "DYNAMIC_MAX_MEAN_KV_BLOCKS", 20)
     launch.forget_plans()
     assert not launch.config_for(128, True, mods, 16384, num_sms=132, mean_kv_blocks=64.5).dynamic_tiles
+
+
+def test_padded_q_rows_go_first_where_the_lists_get_shorter(fresh_policy):
+    # `FwdConfig.ragged_first_tile`, decided per mask (`RAGGED_FIRST_MIN_SAVING`): 192-row tiles over 4096 causal
+    # queries visit 363 KV blocks with the padded rows first against 384 with them last.
+    import torch
+
+    from flexlab import create_block_mask
+    from flexlab.runtime.sparsity import kernel_block_mask
+
+    def causal(b, h, q, kv):
+        return q >= kv
+
+    def everything(b, h, q, kv):
+        return q >= 0
+
+    tiles = FwdConfig(head_dim=64, tile_m=192, tile_n=128, num_stages=3)
+    mods = KernelMods(mask_mod=causal, source_hash="causal")
+
+    def moved(mask_mod, S, cfg=tiles, kernel_mods=mods):
+        bm = create_block_mask(mask_mod, 1, 1, S, S)
+        q = torch.empty(1, 1, S, 64)
+        kbm = kernel_block_mask(bm, S, cfg.tile_m, cfg.tile_n, S)
+        return launch._ragged_first(q, kernel_mods, bm, cfg, kbm, None, S, None)
+
+    lists, bits = moved(causal, 4096)
+    assert bits is None and int((lists.kv_num + lists.full_num).sum()) == 363
+    assert moved(causal, 4032) is None  # 21 whole tiles: nothing to move
+    assert moved(everything, 4096) is None  # every tile as long as the others: no shorter walk
+    assert moved(causal, 4096, dataclasses.replace(tiles, tile_m=128)) is None  # 128-row tiles split mask rows
+    assert moved(causal, 4096, kernel_mods=dataclasses.replace(mods, score_mod=causal)) is None
+    captured = dataclasses.replace(mods, aux_tensor_specs=(("int32", 1),))
+    assert moved(causal, 4096, kernel_mods=captured) is None  # a gather at rows before 0, unless read as bits
+    fresh_policy.setattr(policy, "RAGGED_FIRST_MIN_SAVING", 0.06)  # 21 of 384 visits saved: 5.5%
+    assert moved(causal, 4096) is None
+    fresh_policy.setattr(policy, "RAGGED_FIRST_MIN_SAVING", 0.05)
+    assert moved(causal, 4096) is not None
+    fresh_policy.setattr(policy, "RAGGED_FIRST_MIN_SAVING", 1.0)  # never
+    assert moved(causal, 4096) is None
+    assert FwdConfig(head_dim=64, ragged_first_tile=True, cluster_m=2, persistent_ctas=132).feasibility_error()

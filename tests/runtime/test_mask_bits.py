@@ -169,6 +169,35 @@ def test_bits_at_192_row_tiles_over_merged_mask_rows():
             assert torch.equal(keep[0, 0, o, p, :rows, :cols], dense[r0:r0 + rows, c0:c0 + cols]), (o, p)
 
 
+def test_bits_follow_ragged_first_tiles():
+    # `FwdConfig.ragged_first_tile`: Q tile o starts at row o * 192 - pad; the bits follow those rows, and the rows
+    # before 0 (never stored) read row 0's mask, so no index is negative.
+    S = 1000
+    pad = -S % 192
+    mask_mod = _document(S, 6, seed=5)
+    bm = create_block_mask(mask_mod, None, None, S, S)
+    kbm = kernel_block_mask(bm, S, 192, 128, S, ragged_first=True)
+    bits = mask_bits.build(mask_mod, kbm.kv_num, kbm.kv_idx, batch=1, heads=1, rows_are_q=True, tile_rows=192,
+                           len_rows=S, len_cols=S, varies_b=False, varies_h=False, row_offset=pad)
+    keep = mask_bits.unpack_fragment_order(bits)
+    dense = create_mask(mask_mod, 1, 1, S, S)[0, 0]
+    checked = 0
+    for o in range(kbm.kv_num.shape[2]):
+        r0 = o * 192 - pad
+        first = max(0, -r0)  # the tile's first row at or after row 0
+        for p in range(int(kbm.kv_num[0, 0, o])):
+            c0 = int(kbm.kv_idx[0, 0, o, p]) * 128
+            cols = min(128, S - c0)
+            assert torch.equal(keep[0, 0, o, p, first:, :cols], dense[r0 + first:r0 + 192, c0:c0 + cols]), (o, p)
+            if first:
+                assert torch.equal(keep[0, 0, o, p, :first, :cols], dense[0:1, c0:c0 + cols].expand(first, cols))
+            checked += 1
+    assert checked > 5
+    store = mask_bits.StoredMasks(mask_mod, False, False)
+    moved = store.bits(kbm, kbm.kv_num, kbm.kv_idx, 1, 1, True, 192, S, S, row_offset=pad)
+    assert store.bits(kbm, kbm.kv_num, kbm.kv_idx, 1, 1, True, 192, S, S) is not moved  # the offset keys the entry
+
+
 @pytest.mark.parametrize("rows_are_q,tile_rows,tile_cols", [(True, 192, 128), (False, 128, 64), (False, 128, 128)])
 def test_blocks_whose_bits_are_all_zero_leave_the_lists(rows_are_q, tile_rows, tile_cols):
     # Tiles smaller than the mask's blocks (the backward's 64 query columns) or merged over two mask rows (192-row

@@ -37,7 +37,7 @@ def _launcher_keys(monkeypatch, score_mod, mask_mod, head_dim: int, seqlens, num
     return seen
 
 
-@pytest.mark.parametrize("head_dim,masked", [(128, False), (128, True), (64, False)])
+@pytest.mark.parametrize("head_dim,masked", [(128, False), (128, True), (64, False), (64, True)])
 def test_planned_forward_keys_are_the_launchers(monkeypatch, head_dim, masked):
     from flexlab.runtime.precompile import forward_keys
 
@@ -51,6 +51,8 @@ def test_planned_forward_keys_are_the_launchers(monkeypatch, head_dim, masked):
     # under a block mask both tile schedulers are planned (the launcher picks one from the mask's density)
     assert set(planned) == launched if not masked else launched <= set(planned)
     assert {k.writes_lse for k in planned} == {True, False}
+    if head_dim == 64 and masked:  # 192-row tiles: causal walks get shorter with the padded rows first
+        assert {k.config.ragged_first_tile for k in launched} == {True}
     if head_dim == 128:  # short tiles run the dynamic persistent kernel, one CTA per SM
         # (dense: persistent clusters at 4096, with the split tail at 16384; a mask without a score_mod: dynamic tiles
         # at every length, `launch.dynamic_at_any_length`)
