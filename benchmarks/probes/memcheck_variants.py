@@ -5,7 +5,9 @@
 
 Lengths are not tile multiples, so tail tiles, clamped captured-tensor reads and the TMA clipping are exercised.
 `--split-tail` runs dense cases through the split tail instead (`FwdConfig.split_tail`): few workers with small and
-large remainders, pairs of CTAs, more workers than tiles, and the launcher's default on long keys.
+large remainders, pairs of CTAs, more workers than tiles, and the launcher's default on long keys. `--d64` runs the
+gallery variants at head_dim 64 instead of 128 (192-row tiles, with the padded rows in the first tile where the
+launcher moves them there: `FwdConfig.ragged_first_tile`).
 """
 from __future__ import annotations
 
@@ -47,7 +49,8 @@ def main() -> int:
         if S is None:
             print(f"skip {name}: no small length")
             continue
-        for D in ((64, 128, 256) if v is None else (128,)):  # dense covers every tile config
+        variant_dims = (64,) if "--d64" in sys.argv[1:] else (128,)
+        for D in ((64, 128, 256) if v is None else variant_dims):  # dense covers every tile config
             q, k, vv = random_qkv(1, 2, S, S, D, torch.bfloat16, "cuda")
             mods = v.build(1, 2, S, S, device="cuda") if v is not None else None
             bm = (flexlab.create_block_mask(mods.mask_mod, 1, 2, S, S, device="cuda")

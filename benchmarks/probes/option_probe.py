@@ -31,7 +31,8 @@ ROWS = [("sliding_window", 1, 16384, 128), ("document", 1, 16384, 128), ("slidin
         ("sliding_window", 1, 16384, 64), ("document", 1, 16384, 64), ("causal", 1, 16384, 64),
         ("dense", 1, 16384, 128), ("dense", 4, 4096, 64), ("dense", 4, 4096, 256), ("causal", 4, 4096, 256),
         ("alibi_causal", 4, 4096, 128), ("softcap_causal", 4, 4096, 128), ("sliding_window", 4, 4096, 256),
-        ("causal", 1, 16384, 256), ("alibi_causal", 1, 16384, 128), ("softcap_causal", 1, 16384, 128)]
+        ("causal", 1, 16384, 256), ("alibi_causal", 1, 16384, 128), ("softcap_causal", 1, 16384, 128),
+        ("causal", 4, 4096, 64)]
 CALLS = 8
 
 
