@@ -326,8 +326,7 @@ def _ragged_first(q: torch.Tensor, mods: KernelMods, block_mask, tiles: FwdConfi
     if not may_move_padding(tiles, Sq, mods, bits is not None):
         return None
     moved = kernel_block_mask(block_mask, Sq, tiles.tile_m, tiles.tile_n, seqlen_k, ragged_first=True)
-    saving = _policy.RAGGED_FIRST_MIN_SAVING
-    if moved.mean_kv_blocks > kbm.mean_kv_blocks * (1 - saving) or moved.mean_kv_blocks >= kbm.mean_kv_blocks:
+    if moved.mean_kv_blocks >= kbm.mean_kv_blocks * (1 - _policy.RAGGED_FIRST_MIN_SAVING):
         return None
     if bits is None:
         return moved, None
