@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime as _dt
 import gzip
 import json
+import math
 import os
 import platform
 import statistics
@@ -88,16 +89,62 @@ def best_peer(results: dict) -> tuple[str | None, float | None]:
     return best
 
 
-def paired_speedup(ours: dict, peer: dict, clock: str = "wall_ms") -> float | None:
-    """The peer's time over flexlab's, round by round, median over the rounds: both timed in the same rounds (one
-    interleaved measurement: the same `measured_utc` and round count), so a GPU clock that drifts between rounds
-    cancels in each round's ratio, where the ratio of the two medians can pick rounds minutes apart. None where the
-    two were not timed together."""
+def _round_ratios(ours: dict, peer: dict, clock: str) -> list[float] | None:
+    """The peer's time over flexlab's in each round of one interleaved measurement (the same `measured_utc` and round
+    count), or None where the two were not timed together."""
     mine, theirs = ours.get(f"{clock}_rounds") or [], peer.get(f"{clock}_rounds") or []
     if (ours.get("status") != "ok" or peer.get("status") != "ok" or len(mine) < 2 or len(mine) != len(theirs)
             or ours.get("measured_utc") != peer.get("measured_utc") or not all(mine)):
         return None
-    return statistics.median(t / m for m, t in zip(mine, theirs))
+    return [t / m for m, t in zip(mine, theirs)]
+
+
+def paired_speedup(ours: dict, peer: dict, clock: str = "wall_ms") -> float | None:
+    """The peer's time over flexlab's, round by round, median over the rounds: both timed in the same rounds, so a GPU
+    clock that drifts between rounds cancels in each round's ratio, where the ratio of the two medians can pick
+    rounds minutes apart. None where the two were not timed together."""
+    ratios = _round_ratios(ours, peer, clock)
+    return statistics.median(ratios) if ratios else None
+
+
+# The least coverage asked of `median_interval`: with 5 rounds it spans the lowest to the highest round's ratio
+# (93.75%), with 15 the 4th to the 12th (96.5%).
+INTERVAL_COVERAGE = 0.9
+
+
+def median_interval(values: list[float], coverage: float = INTERVAL_COVERAGE) -> tuple[float, float, float]:
+    """A distribution-free interval for the median of `values` (rounds timed apart, so about independent): the order
+    statistics x_(k) and x_(n+1-k) for the largest k whose coverage 1 - 2 P[Binomial(n, 1/2) < k] reaches
+    `coverage`. Fewer than 5 values cannot reach 90%: then the lowest and highest, with the coverage they have.
+    Returns (low, high, coverage)."""
+    xs = sorted(values)
+    n = len(xs)
+    if n < 2:
+        raise ValueError(f"median_interval needs at least 2 values, got {n}")
+    below, k, reach = 0.0, 1, 1.0 - 2.0 * 0.5 ** n  # reach: the coverage of (x_(k), x_(n+1-k))
+    for j in range(1, n // 2):
+        below += math.comb(n, j) / 2.0 ** n  # P[Binomial(n, 1/2) <= j], less P[= 0]
+        wider = 1.0 - 2.0 * (below + 0.5 ** n)
+        if wider < coverage:
+            break
+        k, reach = j + 1, wider
+    return xs[k - 1], xs[n - k], reach
+
+
+def paired_interval(ours: dict, peer: dict, clock: str = "wall_ms") -> tuple[float, float, float] | None:
+    """`median_interval` of the round-by-round ratios behind `paired_speedup`: how far the GPU's noise leaves the
+    paired ratio uncertain. None where the two were not timed together."""
+    ratios = _round_ratios(ours, peer, clock)
+    return median_interval(ratios) if ratios else None
+
+
+def standing(interval: tuple[float, float, float] | None) -> str | None:
+    """flexlab against the best peer from the paired interval: "ahead" (all of it above 1), "behind" (all below),
+    else "level" (1 lies inside: the rounds do not tell the two apart)."""
+    if interval is None:
+        return None
+    low, high, _ = interval
+    return "ahead" if low > 1.0 else "behind" if high < 1.0 else "level"
 
 
 def summarize_row(record: dict) -> None:
@@ -112,6 +159,11 @@ def summarize_row(record: dict) -> None:
     peer = record["results"].get(name, {}) if name else {}
     record["flexlab_paired_speedup_vs_best_peer"] = {
         clock: paired_speedup(ours, peer, clock) for clock in ("wall_ms", "kernel_ms")} if name else None
+    intervals = {clock: paired_interval(ours, peer, clock) for clock in ("wall_ms", "kernel_ms")} if name else {}
+    # [low, high, coverage] per clock, and the wall clock's verdict (`standing`)
+    record["flexlab_paired_interval_vs_best_peer"] = (
+        {clock: list(iv) if iv else None for clock, iv in intervals.items()} if name else None)
+    record["flexlab_standing"] = standing(intervals.get("wall_ms"))
     det = record["results"].get("flexlab-deterministic", {})
     record["deterministic_cost"] = (  # wall-clock of deterministic mode over the default, same row
         det["wall_ms"] / ours["wall_ms"] if ours.get("status") == "ok" and det.get("status") == "ok" else None)
@@ -189,9 +241,12 @@ def format_row(record: dict) -> str:
     if record.get("best_peer"):
         s = record.get("flexlab_speedup_vs_best_peer")
         paired = _paired(record, "wall_ms")
+        interval = _interval(record, "wall_ms")
         lines.append(f"  best peer: {record['best_peer']} {record['best_peer_wall_ms']:.3f} ms"
                      + (f"; flexlab {s:.2f}x of it" if s else "; flexlab: no result")
-                     + (f" ({paired:.2f}x paired by round)" if paired else ""))
+                     + (f" ({paired:.2f}x paired by round" if paired else "")
+                     + (f", {_interval_text(interval)}: {record['flexlab_standing']}" if paired and interval else "")
+                     + (")" if paired else ""))
     if record.get("deterministic_cost"):
         lines.append(f"  deterministic mode: {record['deterministic_cost']:.2f}x flexlab's default wall time")
     return "\n".join(lines)
@@ -218,7 +273,7 @@ def format_summary(rows: list[dict]) -> str:
     """One line per row: the best peer, flexlab, and how far each is from the matmul roof."""
     w = max([len(rec["name"]) for rec in rows] + [43]) + 1
     out = [f"{'row':<{w}}{'best peer':<22}{'ms':>9}{'TFLOP/s':>9}{'flexlab ms':>12}{'TFLOP/s':>9}{'vs best':>9}"
-           f"{'paired':>8}"]
+           f"{'paired':>8}  {'interval':<19}standing"]
     for rec in rows:
         peer = rec.get("best_peer")
         p = rec["results"].get(peer, {}) if peer else {}
@@ -228,12 +283,25 @@ def format_summary(rows: list[dict]) -> str:
                    f"{_num(p.get('tflops'), '.1f', 9)}{_num(f.get('wall_ms') if f_ok else None, '.3f', 12)}"
                    f"{_num(f.get('tflops') if f_ok else None, '.1f', 9)}"
                    f"{_num(rec.get('flexlab_speedup_vs_best_peer'), '.2f', 9)}"
-                   f"{_num(_paired(rec, 'wall_ms'), '.2f', 8)}")
+                   f"{_num(_paired(rec, 'wall_ms'), '.2f', 8)}  {_interval_text(_interval(rec, 'wall_ms')):<19}"
+                   f"{rec.get('flexlab_standing') or '-'}")
     return "\n".join(out)
 
 
 def _paired(record: dict, clock: str) -> float | None:
     return (record.get("flexlab_paired_speedup_vs_best_peer") or {}).get(clock)
+
+
+def _interval(record: dict, clock: str) -> list[float] | None:
+    return (record.get("flexlab_paired_interval_vs_best_peer") or {}).get(clock)
+
+
+def _interval_text(interval) -> str:
+    """'0.95-1.01 at 94%': the paired ratio's interval and its coverage."""
+    if not interval:
+        return "-"
+    low, high, coverage = interval
+    return f"{low:.2f}-{high:.2f} at {100 * coverage:.0f}%"
 
 
 def format_document(doc: dict) -> str:
@@ -302,9 +370,10 @@ def _md_cell(r: dict | None, clock: str) -> str:
 def format_markdown(doc: dict, clock: str = "wall_ms") -> str:
     """A Markdown table of one clock ("wall_ms" or "kernel_ms"): ms per call and TFLOP/s in parentheses; the
     ratio to the best peer (chosen by wall clock) is taken on the table's own clock, as a ratio of medians and paired
-    by round (`paired_speedup`)."""
+    by round (`paired_speedup`, with its `paired_interval`)."""
     header = ["row", "density"] + [label for _, label in _MD_BACKENDS] + ["best peer", "flexlab vs best",
-                                                                          "paired", "best % of roof"]
+                                                                          "paired", "paired interval",
+                                                                          "best % of roof"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for rec in doc["rows"]:
         results = rec.get("results", {})
@@ -320,6 +389,6 @@ def format_markdown(doc: dict, clock: str = "wall_ms") -> str:
             speedup = theirs / ours if ours and theirs else None  # this table's clock, not the wall clock's ratio
         paired = _paired(rec, clock)
         cells += [peer or "-", f"{speedup:.2f}x" if speedup else "-", f"{paired:.2f}x" if paired else "-",
-                  f"{roof:.0f}%" if roof else "-"]
+                  _interval_text(_interval(rec, clock)), f"{roof:.0f}%" if roof else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -3,8 +3,11 @@ import gzip
 import json
 from pathlib import Path
 
-from flexlab.bench.report import (best_peer, format_document, format_markdown, format_row, merge_documents,
-                                  paired_speedup, read_json, result_files, summarize_row, write_json)
+import pytest
+
+from flexlab.bench.report import (best_peer, format_document, format_markdown, format_row, median_interval,
+                                  merge_documents, paired_interval, paired_speedup, read_json, result_files, standing,
+                                  summarize_row, write_json)
 
 RESULTS = Path(__file__).parents[2] / "benchmarks" / "results"
 
@@ -150,9 +153,34 @@ def test_paired_speedup_divides_round_by_round():
     assert abs(rec["flexlab_speedup_vs_best_peer"] - 1.0 / 1.2) < 1e-9
     assert rec["flexlab_paired_speedup_vs_best_peer"] == {"wall_ms": 1.0, "kernel_ms": 1.0}
     doc = {"schema": 1, "environment": {}, "settings": {}, "matmul_ceiling_tflops": 790.0, "rows": [rec]}
-    assert "| 0.83x | 1.00x |" in format_markdown(doc).splitlines()[2]
-    assert "flexlab 0.83x of it (1.00x paired by round)" in format_row(rec)
-    assert format_document(doc).splitlines()[-1].rstrip().endswith("0.83    1.00")
+    assert "| 0.83x | 1.00x | 0.83-1.00 at 94% |" in format_markdown(doc).splitlines()[2]
+    assert "flexlab 0.83x of it (1.00x paired by round, 0.83-1.00 at 94%: level)" in format_row(rec)
+    assert format_document(doc).splitlines()[-1].rstrip().endswith("0.83    1.00  0.83-1.00 at 94%   level")
+
+
+def test_median_interval_takes_order_statistics_with_binomial_coverage():
+    # 5 values: the lowest and highest, covering the median with probability 1 - 2 / 2^5
+    assert median_interval([3.0, 1.0, 5.0, 2.0, 4.0]) == (1.0, 5.0, 1 - 2 / 32)
+    # 15: the 4th and 12th (P[Binomial(15, 1/2) <= 3] = 576 / 32768); the 5th and 11th would cover only 88%
+    low, high, coverage = median_interval([float(x) for x in range(15, 0, -1)])
+    assert (low, high) == (4.0, 12.0) and abs(coverage - (1 - 2 * 576 / 32768)) < 1e-12
+    assert median_interval([1.0, 2.0, 3.0, 4.0], coverage=0.9) == (1.0, 4.0, 1 - 2 / 16)  # short of 90%: widest
+    with pytest.raises(ValueError, match="at least 2"):
+        median_interval([1.0])
+
+
+def test_standing_says_behind_only_when_every_plausible_ratio_is():
+    peer = _rounds([1.0, 1.0, 1.0, 1.0, 1.0])
+    behind = _rounds([1.02, 1.03, 1.05, 1.04, 1.02])  # flexlab slower in every round
+    assert standing(paired_interval(behind, peer)) == "behind"
+    assert standing(paired_interval(_rounds([0.98, 0.97, 0.99, 0.95, 0.99]), peer)) == "ahead"
+    assert standing(paired_interval(_rounds([0.98, 1.03, 0.99, 1.02, 1.0]), peer)) == "level"
+    assert paired_interval(behind, _ok(1.0)) is None and standing(None) is None  # not timed together
+    rec = _row(flexlab=behind, fa4=peer)
+    assert rec["flexlab_standing"] == "behind"
+    low, high, _ = rec["flexlab_paired_interval_vs_best_peer"]["wall_ms"]
+    assert abs(low - 1 / 1.05) < 1e-12 and abs(high - 1 / 1.02) < 1e-12
+    assert _row(flexlab=behind)["flexlab_paired_interval_vs_best_peer"] is None
 
 
 def test_paired_speedup_needs_one_interleaved_measurement():
