@@ -25,16 +25,23 @@ class KvSchedule(Carried):
 
     `known` = (num_partial, num_full) when another warp already read them (a dynamic tile scheduler hands them over
     in shared memory); then nothing is read here. `part` = (first position, end position), dense only: the tile's
-    steps from `first` up to `end` alone (a part of a tile cut by `kernels.split_tail`)."""
+    steps from `first` up to `end` alone (a part of a tile cut by `kernels.split_tail`). `rotate`, dense only: the
+    walk starts `m_block` (mod the block count) blocks below the last and wraps around, so that the tiles of one
+    head, run side by side, each visit a different block at any one time (the backward's `rotate_dense_walk`)."""
 
-    _FIELDS = ("sparse", "b", "h", "m", "num_partial", "num_full", "num_kv_blocks", "skip")
+    _FIELDS = ("sparse", "b", "h", "m", "num_partial", "num_full", "num_kv_blocks", "skip", "shift")
 
     def __init__(self, sparse, batch: Int32, head: Int32, m_block: Int32, num_kv_blocks: Int32, known=None,
-                 part=None):
+                 part=None, rotate: bool = False):
         self.sparse = sparse
         self.num_kv_blocks = Int32(num_kv_blocks)
         self.m = m_block
         self.skip = None  # positions before this part's first (dense parts only)
+        self.shift = None  # how far below the last block a rotated dense walk starts
+        if cutlass.const_expr(rotate):
+            if cutlass.const_expr(sparse is not None):
+                raise ValueError("a rotated walk is a dense schedule only (block lists keep their order)")
+            self.shift = Int32(m_block) % self.num_kv_blocks
         if cutlass.const_expr(part is not None):
             if cutlass.const_expr(sparse is not None):
                 raise ValueError("a part of a tile (split_tail) is a dense schedule only")
@@ -69,10 +76,15 @@ class KvSchedule(Carried):
             return Int32(cutlass.select_(self.num_partial > 0, first_partial, first_full))
 
     def _dense(self, i):
-        """Dense grids walk the KV blocks from the last one down (a part starts `skip` steps in)."""
-        if cutlass.const_expr(self.skip is None):
-            return self.num_kv_blocks - 1 - i
-        return self.num_kv_blocks - 1 - self.skip - i
+        """Dense grids walk the KV blocks from the last one down (a part starts `skip` steps in; a rotated walk
+        `shift` blocks lower, wrapping around to the last block after block 0)."""
+        n = self.num_kv_blocks - 1 - i
+        if cutlass.const_expr(self.skip is not None):
+            n = n - self.skip
+        if cutlass.const_expr(self.shift is not None):
+            n = n - self.shift
+            n = cutlass.select_(n < 0, n + self.num_kv_blocks, n)
+        return n
 
     @property
     def total(self):

@@ -259,6 +259,15 @@ class BwdConfig:
     # window D=128 0.98x at B1·S16k and 0.99x at B4·S4k, D=64 0.98x; causal D=64 0.96x, D=128 1.00x. Gradients equal
     # dK/dV bitwise.
     band_mask: bool = False
+    # Dense, outside deterministic mode: KV tile n starts its walk of the query tiles n tiles (mod their count) below
+    # the last and wraps around (`KvSchedule`, `rotate`), instead of every tile starting at the last. With
+    # `kv_tiles_first` the tiles of one head run side by side and keep pace, so in the plain walk all of them (128
+    # at B1·S16k, 32 at B4·S4k) load the same Q and dO tile and add into the same dQ rows at the same moment, from
+    # the same few L2 lines; rotated, each reads and adds a different tile while the head's Q, dO and dQ sums
+    # still share L2. The dense forward + backward is behind FA4 at B1·S16k and level at B4·S4k on both GPUs
+    # (the paired intervals of the 2026-12-06 H200 and 2026-12-07 H100 runs), the row where the most tiles keep
+    # pace. Not timed yet: off. Deterministic mode adds dQ in a fixed tile order, which the plain walk keeps waitless.
+    rotate_dense_walk: bool = False
 
     @property
     def persistent(self) -> bool:
@@ -561,6 +570,9 @@ def candidate_bwd_configs(head_dim: int, deterministic: bool = False, mod_grads:
         cands["one_tile_per_cta"] = replace(base, persistent_short_tiles=False)
     if not deterministic and q_block is None:  # every tile of the last wave whole (`split_parts`)
         cands["whole_last_wave"] = replace(base, split_last_wave=False)
+        # each KV tile starts its walk at a query tile of its own
+        cands["rotate_dense_walk" if not base.rotate_dense_walk else "plain_dense_walk"] = replace(
+            base, rotate_dense_walk=not base.rotate_dense_walk)
     cands["unchained"] = replace(base, chained_launch=False)  # each kernel launched after the one before has ended
     if deterministic:  # `neither` is then the other order with global stats: not a new question
         del cands["neither"]

@@ -113,10 +113,11 @@ class BwdProducer:
         """The query tiles KV tile `n_block` visits for query head `head` (the group's `g`-th), walked alike by the
         producer, the consumers and the dQ warp: all of them, or (`piece`, the cut tail's shape; dense) this CTA's
         share. (The CTA's `TailPiece` is rebuilt here from its index, not kept live through the steps.)"""
+        rotate = self.cfg.rotate_dense_walk and sparse is None
         if cutlass.const_expr(piece is None):
-            return KvSchedule(sparse, batch, head, n_block, num_m_blocks)
+            return KvSchedule(sparse, batch, head, n_block, num_m_blocks, rotate=rotate)
         part = TailPiece.of_this_cta(*piece).head_steps(g, num_m_blocks)
-        return KvSchedule(sparse, batch, head, n_block, num_m_blocks, part=part)
+        return KvSchedule(sparse, batch, head, n_block, num_m_blocks, part=part, rotate=rotate)
 
     @cute.jit
     def load_row_stats(self, stats, batch: Int32, head: Int32, m_block: Int32, stage: Int32, bar, bar_do):

@@ -153,6 +153,9 @@ class FlexBwdSm90(BwdProducer, BwdStep, BwdDqReduce):
         if (cfg.split_tail or cfg.whole_tiles_only) and deterministic:
             raise ValueError("split_tail adds a cut tile's dK and dV in whichever order its parts finish, and its "
                              "parts' dQ turns would not follow the launch order: not in deterministic mode")
+        if cfg.rotate_dense_walk and deterministic:
+            raise ValueError("rotate_dense_walk starts each KV tile at a query tile of its own; deterministic mode "
+                             "adds the dQ partials in a fixed tile order, which that walk would turn into waits")
         if self.persistent and deterministic:
             raise ValueError("persistent backward CTAs take tiles as they come; deterministic mode's dQ turns need "
                              "the launch order (persistent_ctas=0)")

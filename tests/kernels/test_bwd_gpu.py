@@ -295,6 +295,44 @@ def test_split_tail_matches_whole_tiles(D, score, parts, monkeypatch):
 
 
 @needs_hopper
+@pytest.mark.parametrize("D,how", [(128, "whole"), (64, "whole"), (256, "whole"), (128, "persistent"), (128, "cut"),
+                                   (256, "cut")])
+def test_rotated_dense_walk_matches_the_plain_walk(D, how, monkeypatch):
+    """`BwdConfig.rotate_dense_walk` (KV tile n starts its walk n query tiles below the last and wraps around) sums
+    the same query tiles as the plain walk in another order: dQ, dK and dV within fp32 rounding of it, dK and dV the
+    same bits from run to run, all against float64. GQA and ragged lengths (the padded last query tile is met
+    mid-walk); one CTA per tile, persistent CTAs (7 for 2 x 2 x 9 tiles), and a cut last wave whose parts walk
+    shares of the rotated walk."""
+    from dataclasses import replace
+
+    from flexlab.kernels import bwd_config, bwd_launch
+    Sq, Skv = 1000, 1100
+    q, k, v = random_qkv(2, 8, Sq, Skv, D, torch.bfloat16, "cuda", Hkv=2, requires_grad=True)
+    dout = torch.randn(2, 8, Sq, D, device="cuda", dtype=torch.bfloat16)
+    if how == "cut":  # 5 SMs: the tiles past the whole waves run as 3 parts each
+        monkeypatch.setattr(bwd_launch, "_sm_count", lambda dev: 5)
+    monkeypatch.setattr(bwd_config, "split_parts", lambda tiles, workers, steps: 3 if how == "cut" else 1)
+    options = dict(persistent_ctas=7) if how == "persistent" else {}
+    default = bwd_launch._config
+    grads = {}
+    for rotate in (False, True):
+        def config(*args, rotate=rotate):
+            return replace(default(*args), rotate_dense_walk=rotate, **options).validate()
+        monkeypatch.setattr(bwd_launch, "_config", config)
+        bwd_launch._PLANS.clear()  # (planned once per signature, with the configuration of that time)
+        grads[rotate] = _backward(q, k, v, None, None, [], dout, True)
+        plan = next(reversed(bwd_launch._PLANS.values()))
+        assert plan.cfg.rotate_dense_walk == rotate and (plan.tail is not None) == (how == "cut")
+    again = _backward(q, k, v, None, None, [], dout, True)
+    assert torch.equal(again[1], grads[True][1]) and torch.equal(again[2], grads[True][2]), "dK, dV not repeatable"
+    for n, a, b in zip(("dq", "dk", "dv"), grads[True], grads[False]):
+        assert not torch.isnan(a).any(), f"NaN in {n}"
+        assert rel_l2(a, b) < 1e-4, f"{n} against the plain walk: rel-L2 {rel_l2(a, b):.2e}"
+    for n, a, b in zip(("dq", "dk", "dv"), grads[True], _reference_grads(q, k, v, None, None, [], dout, True)):
+        assert grad_error(a, b) < GRAD_TOL, f"{n}: error {grad_error(a, b):.2e}"
+
+
+@needs_hopper
 def test_long_dense_keys_cut_the_last_wave_by_default(monkeypatch):
     """B4 H16 S4k at D=128: 2048 KV tiles on the H200's 132 SMs leave 68 for a 16th wave, which the launcher cuts
     (`bwd_config.split_parts`); the gradients equal the whole tiles' within fp32 reordering, and dK and dV repeat

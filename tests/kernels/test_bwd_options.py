@@ -164,6 +164,12 @@ CELLS = [  # (name, head dim, options, kernel flavour): each option in a few fla
     ("split_qdo_wait-det_mask", 128, dict(split_qdo_wait=True), "det_mask"),
     ("split_qdo_wait-persistent-mask", 128, dict(split_qdo_wait=True, persistent_ctas=132), "mask"),
     ("split_qdo_wait-stats_from_global-dense", 128, dict(split_qdo_wait=True, stats_in_smem=False), "dense"),
+    # each KV tile's walk of the query tiles starts at a tile of its own (dense), also in persistent CTAs and in the
+    # parts of a cut last wave
+    ("rotate_dense_walk-dense", 128, dict(rotate_dense_walk=True), "dense"),
+    ("rotate_dense_walk-dense-d64", 64, dict(rotate_dense_walk=True), "dense"),
+    ("rotate_dense_walk-persistent-dense", 128, dict(rotate_dense_walk=True, persistent_ctas=132), "dense"),
+    ("rotate_dense_walk-split_tail-dense", 128, dict(rotate_dense_walk=True, split_tail=True), "dense"),
 ]
 
 
@@ -217,6 +223,8 @@ def test_option_compiles_without_spills(name, D, options, kind):
     assert ("mbarrier.try_wait.parity.acquire" in ptx) == cfg.try_wait_first
     if cfg.try_wait_first:
         assert ptx.count("mbarrier.try_wait.parity.acquire") >= 2
+    if cfg.rotate_dense_walk:  # each tile's first query tile: its index modulo the count (producer, dQ warp)
+        assert len(re.findall(r"\brem\.[su]32", ptx)) >= 2
 
 
 def test_persistent_ctas_where_kv_tiles_are_short():
@@ -245,6 +253,25 @@ def test_persistent_ctas_where_kv_tiles_are_short():
     cands = candidate_bwd_configs(128, q_block=128)
     assert cands["persistent"].persistent and not cands["one_tile_per_cta"].persistent_short_tiles
     assert "persistent" not in candidate_bwd_configs(128, deterministic=True)
+
+
+def test_rotated_dense_walk_is_a_dense_option_outside_deterministic_mode():
+    from dataclasses import replace
+
+    import cutlass
+
+    from flexlab.kernels.bwd_config import candidate_bwd_configs, default_bwd_config
+    from flexlab.kernels.bwd_sm90 import FlexBwdSm90
+    for D in (64, 128, 256):
+        assert not default_bwd_config(D).rotate_dense_walk  # untimed: off
+        assert candidate_bwd_configs(D)["rotate_dense_walk"].rotate_dense_walk
+        # block lists keep their order; deterministic mode keeps its fixed dQ order waitless
+        assert "rotate_dense_walk" not in candidate_bwd_configs(D, q_block=128)
+        assert "rotate_dense_walk" not in candidate_bwd_configs(D, deterministic=True)
+    rotated = replace(default_bwd_config(128), rotate_dense_walk=True)
+    FlexBwdSm90(rotated, cutlass.BFloat16)
+    with pytest.raises(ValueError, match="rotate_dense_walk"):
+        FlexBwdSm90(rotated, cutlass.BFloat16, deterministic=True)
 
 
 def test_precompile_plans_the_backward_launchers_persistence():
