@@ -13,8 +13,9 @@ Each sample times 8 calls of the forward + backward with CUDA events, back to ba
 (every kernel and every gap between kernels counted), 8 calls of the backward alone and 8 of the forward alone. The
 variants take turns in a rotated order and the median over rounds is reported with the speed-up of the launcher's
 setting over the flipped one, both as a ratio of medians and as the median of each round's ratio ("paired", which
-the clock's drift over a row does not move); `--forward-only` times the forward alone. Before timing, both variants'
-dQ, dK and dV are compared on the same inputs (rel-L2, NaN).
+the clock's drift over a row does not move; with an interval for that median, `bench.report.median_interval`);
+`--forward-only` times the forward alone. Before timing, both variants' dQ, dK and dV are compared on the same
+inputs (rel-L2, NaN).
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ import statistics
 from dataclasses import replace
 
 import torch
+
+from flexlab.bench.report import median_interval
 
 ROWS = [("sliding_window", 1, 16384, 128), ("document", 1, 16384, 128), ("sliding_window", 4, 4096, 128),
         ("document", 4, 4096, 128), ("causal", 4, 4096, 128), ("causal", 1, 16384, 128), ("dense", 4, 4096, 128),
@@ -213,12 +216,17 @@ def main() -> None:
             # within a second, so the clock's drift over the row (up to 10% on the H200) cancels
             paired = {part: statistics.median(f / b for f, b in zip(times[f"flipped {part}"],
                                                                     times[f"launcher {part}"])) for part in parts}
+            # (low, high, coverage) for each paired ratio's median (`bench.report.median_interval`)
+            interval = {part: median_interval([f / b for f, b in zip(times[f"flipped {part}"],
+                                                                       times[f"launcher {part}"])])
+                        for part in parts} if args.rounds > 1 else {}
             results[row] = {"launcher_setting": setting, "median_ms": median, "speedup_of_launcher": speedup,
-                            "paired_speedup_of_launcher": paired,
+                            "paired_speedup_of_launcher": paired, "paired_interval_of_launcher": interval,
                             "rel_l2_launcher_vs_flipped": errors, "nan": nan, "rounds_ms": times}
             print(row, f"{args.field or switch.name}={setting}", " ".join(f"{n}={m:.4f}" for n, m in median.items()),
                   " ".join(f"speedup {p} {x:.3f}" for p, x in speedup.items()),
-                  " ".join(f"paired {p} {x:.3f}" for p, x in paired.items()),
+                  " ".join(f"paired {p} {x:.3f}" + (f" ({interval[p][0]:.3f}-{interval[p][1]:.3f})"
+                                                    if p in interval else "") for p, x in paired.items()),
                   " ".join(f"{n} {e:.1e}" for n, e in errors.items()), "NaN" if nan else "", flush=True)
             torch.cuda.empty_cache()
     finally:
