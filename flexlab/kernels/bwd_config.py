@@ -264,7 +264,7 @@ class BwdConfig:
     # `kv_tiles_first` the tiles of one head run side by side and keep pace, so in the plain walk all of them (128
     # at B1·S16k, 32 at B4·S4k) load the same Q and dO tile and add into the same dQ rows at the same moment, from
     # the same few L2 lines; rotated, each reads and adds a different tile while the head's Q, dO and dQ sums
-    # still share L2. The dense forward + backward is behind FA4 at B1·S16k and level at B4·S4k on both GPUs
+    # still share L2. The dense forward + backward is behind the best peer at B1·S16k and level at B4·S4k on both GPUs
     # (the paired intervals of the 2026-12-06 H200 and 2026-12-07 H100 runs), the row where the most tiles keep
     # pace. Not timed yet: off. Deterministic mode adds dQ in a fixed tile order, which the plain walk keeps waitless.
     rotate_dense_walk: bool = False
