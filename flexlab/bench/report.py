@@ -297,11 +297,15 @@ def _interval(record: dict, clock: str) -> list[float] | None:
 
 
 def _interval_text(interval) -> str:
-    """'0.95-1.01 at 94%': the paired ratio's interval and its coverage."""
+    """'0.95-1.01 at 94%': the paired ratio's interval and its coverage (a bound that two decimals would round to 1.00
+    gets three, so a row behind by its interval never reads as reaching 1)."""
     if not interval:
         return "-"
     low, high, coverage = interval
-    return f"{low:.2f}-{high:.2f} at {100 * coverage:.0f}%"
+
+    def bound(x: float) -> str:
+        return f"{x:.3f}" if f"{x:.2f}" == "1.00" and x != 1.0 else f"{x:.2f}"
+    return f"{bound(low)}-{bound(high)} at {100 * coverage:.0f}%"
 
 
 def format_document(doc: dict) -> str:

@@ -181,6 +181,9 @@ def test_standing_says_behind_only_when_every_plausible_ratio_is():
     low, high, _ = rec["flexlab_paired_interval_vs_best_peer"]["wall_ms"]
     assert abs(low - 1 / 1.05) < 1e-12 and abs(high - 1 / 1.02) < 1e-12
     assert _row(flexlab=behind)["flexlab_paired_interval_vs_best_peer"] is None
+    # a bound just below 1 keeps its third decimal: "behind" never prints as reaching 1.00
+    close = _row(flexlab=_rounds([1.002, 1.03, 1.05, 1.04, 1.02]), fa4=peer)
+    assert close["flexlab_standing"] == "behind" and "0.95-0.998 at 94%: behind" in format_row(close)
 
 
 def test_paired_speedup_needs_one_interleaved_measurement():
