@@ -121,13 +121,13 @@ def median_interval(values: list[float], coverage: float = INTERVAL_COVERAGE) ->
     n = len(xs)
     if n < 2:
         raise ValueError(f"median_interval needs at least 2 values, got {n}")
-    below, k, reach = 0.0, 1, 1.0 - 2.0 * 0.5 ** n  # reach: the coverage of (x_(k), x_(n+1-k))
+    tail = 0.5 ** n  # P[Binomial(n, 1/2) <= k - 1]
+    k, reach = 1, 1.0 - 2.0 * tail  # reach: the coverage of (x_(k), x_(n+1-k))
     for j in range(1, n // 2):
-        below += math.comb(n, j) / 2.0 ** n  # P[Binomial(n, 1/2) <= j], less P[= 0]
-        wider = 1.0 - 2.0 * (below + 0.5 ** n)
-        if wider < coverage:
+        tail += math.comb(n, j) * 0.5 ** n
+        if 1.0 - 2.0 * tail < coverage:
             break
-        k, reach = j + 1, wider
+        k, reach = j + 1, 1.0 - 2.0 * tail
     return xs[k - 1], xs[n - k], reach
 
 
