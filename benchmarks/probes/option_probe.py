@@ -214,12 +214,11 @@ def main() -> None:
             speedup = {part: median[f"flipped {part}"] / median[f"launcher {part}"] for part in parts}
             # the same ratio taken within each round, then the median over rounds: both variants of a round ran
             # within a second, so the clock's drift over the row (up to 10% on the H200) cancels
-            paired = {part: statistics.median(f / b for f, b in zip(times[f"flipped {part}"],
-                                                                    times[f"launcher {part}"])) for part in parts}
+            ratios = {part: [f / b for f, b in zip(times[f"flipped {part}"], times[f"launcher {part}"])]
+                      for part in parts}
+            paired = {part: statistics.median(r) for part, r in ratios.items()}
             # (low, high, coverage) for each paired ratio's median (`bench.report.median_interval`)
-            interval = {part: median_interval([f / b for f, b in zip(times[f"flipped {part}"],
-                                                                       times[f"launcher {part}"])])
-                        for part in parts} if args.rounds > 1 else {}
+            interval = {part: median_interval(r) for part, r in ratios.items()} if args.rounds > 1 else {}
             results[row] = {"launcher_setting": setting, "median_ms": median, "speedup_of_launcher": speedup,
                             "paired_speedup_of_launcher": paired, "paired_interval_of_launcher": interval,
                             "rel_l2_launcher_vs_flipped": errors, "nan": nan, "rounds_ms": times}

@@ -242,11 +242,12 @@ def format_row(record: dict) -> str:
         s = record.get("flexlab_speedup_vs_best_peer")
         paired = _paired(record, "wall_ms")
         interval = _interval(record, "wall_ms")
-        lines.append(f"  best peer: {record['best_peer']} {record['best_peer_wall_ms']:.3f} ms"
-                     + (f"; flexlab {s:.2f}x of it" if s else "; flexlab: no result")
-                     + (f" ({paired:.2f}x paired by round" if paired else "")
-                     + (f", {_interval_text(interval)}: {record['flexlab_standing']}" if paired and interval else "")
-                     + (")" if paired else ""))
+        line = (f"  best peer: {record['best_peer']} {record['best_peer_wall_ms']:.3f} ms"
+                + (f"; flexlab {s:.2f}x of it" if s else "; flexlab: no result"))
+        if paired:
+            verdict = f", {_interval_text(interval)}: {record['flexlab_standing']}" if interval else ""
+            line += f" ({paired:.2f}x paired by round{verdict})"
+        lines.append(line)
     if record.get("deterministic_cost"):
         lines.append(f"  deterministic mode: {record['deterministic_cost']:.2f}x flexlab's default wall time")
     return "\n".join(lines)
