@@ -266,7 +266,9 @@ class BwdConfig:
     # the same few L2 lines; rotated, each reads and adds a different tile while the head's Q, dO and dQ sums
     # still share L2. The dense forward + backward is behind the best peer at B1·S16k and level at B4·S4k on both GPUs
     # (the paired intervals of the 2026-12-06 H200 and 2026-12-07 H100 runs), the row where the most tiles keep
-    # pace. Not timed yet: off. Deterministic mode adds dQ in a fixed tile order, which the plain walk keeps waitless.
+    # pace. Off: timed in turns on an H100 it made that row's backward 1.6% slower (interval 1.001-1.056) and left the
+    # B4·S4k rows level (BENCHMARKS.md, "The rotated dense backward walk timed"). Deterministic mode adds dQ in a
+    # fixed tile order, which the plain walk keeps waitless.
     rotate_dense_walk: bool = False
 
     @property

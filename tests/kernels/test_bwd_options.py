@@ -263,7 +263,7 @@ def test_rotated_dense_walk_is_a_dense_option_outside_deterministic_mode():
     from flexlab.kernels.bwd_config import candidate_bwd_configs, default_bwd_config
     from flexlab.kernels.bwd_sm90 import FlexBwdSm90
     for D in (64, 128, 256):
-        assert not default_bwd_config(D).rotate_dense_walk  # untimed: off
+        assert not default_bwd_config(D).rotate_dense_walk  # slower on the row it was built for: off
         assert candidate_bwd_configs(D)["rotate_dense_walk"].rotate_dense_walk
         # block lists keep their order; deterministic mode keeps its fixed dQ order waitless
         assert "rotate_dense_walk" not in candidate_bwd_configs(D, q_block=128)
