@@ -9,7 +9,7 @@ flash-attn-4 compiles its kernels for sm_90a under torch's fake tensors when tol
 (FLASH_ATTENTION_ARCH, CUTE_DSL_ARCH, set here), so its main backward kernel's PTX can be assembled and disassembled
 like ours (`flexlab.viz.compile_report`). For each kernel this prints, per step loop (the loops that issue HGMMA and
 exponentials): instructions, HGMMA, MUFU.EX2, shared-memory loads, and how many exponentials come before the first
-full wgmma wait (the wait for dP: what runs beside that GEMM). FA4 is a peer, never a dependency: it is imported
+full wgmma wait (the wait for dP: what runs beside that GEMM); then the opcodes whose counts differ between the loops. FA4 is a peer, never a dependency: it is imported
 from wherever it is installed (`pip install --target DIR --no-deps flash-attn-4 quack-kernels apache-tvm-ffi triton`
 and PYTHONPATH=DIR is enough).
 """
@@ -43,8 +43,19 @@ def step_loops(ptx: str) -> dict:
                       "hgmma": sum(n for op, n in ops.items() if op.startswith("HGMMA")),
                       "exp2": exps, "exp2_before_dp_wait": before,
                       "lds": sum(n for op, n in ops.items() if op.startswith("LDS")),
-                      "top": ops.most_common(12)})
+                      "top": ops.most_common(12), "opcodes": dict(ops)})
     return {"registers": rep.registers, "spill_store_bytes": rep.spill_store_bytes, "loops": loops}
+
+
+def print_opcode_diff(columns: dict) -> None:
+    """Print the opcodes whose counts differ between step loops ({column name: opcode counts}), side by side: where
+    two steps of equal GEMM work spend their other instructions."""
+    names = list(columns)
+    print("opcodes that differ".ljust(34), *(n.rjust(9) for n in names))
+    for op in sorted(set().union(*columns.values())):
+        counts = [columns[n].get(op, 0) for n in names]
+        if len(set(counts)) > 1:
+            print(op.ljust(34), *(str(c).rjust(9) for c in counts))
 
 
 def live_registers(ptx: str) -> dict:
@@ -169,6 +180,8 @@ def main() -> None:
             live = rec["liveness"]
             print(f"  live registers over a {live['instructions']}-instruction step loop: at most {live['gpr_max']} "
                   f"(mean {live['gpr_mean']}), uniform at most {live['uniform_max']}")
+    print_opcode_diff({f"{name}{i}": loop["opcodes"] for name, rec in result.items()
+                       for i, loop in enumerate(rec["loops"])})
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"variant": args.variant, "head_dim": args.head_dim, **result}, f, indent=1)

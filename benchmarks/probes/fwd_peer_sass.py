@@ -18,7 +18,7 @@ import sys
 import tempfile
 import warnings
 
-from bwd_peer_sass import PEER_TARGET, live_registers
+from bwd_peer_sass import PEER_TARGET, live_registers, print_opcode_diff
 
 
 def peer_ptx(variant: str, head_dim: int, batch: int, seqlen: int, dump: str) -> str:
@@ -98,12 +98,7 @@ def main() -> None:
             live = live_registers(text)
             print(f"  live registers over its {live['instructions']}-instruction step loop: at most "
                   f"{live['gpr_max']} (mean {live['gpr_mean']}), uniform at most {live['uniform_max']}")
-    names = list(columns)
-    print("opcodes that differ".ljust(34), *(n.rjust(9) for n in names))
-    for op in sorted(set().union(*columns.values())):
-        counts = [columns[n].get(op, 0) for n in names]
-        if len(set(counts)) > 1:
-            print(op.ljust(34), *(str(c).rjust(9) for c in counts))
+    print_opcode_diff(columns)
 
 
 if __name__ == "__main__":
