@@ -152,7 +152,9 @@ class BwdConfig:
     anchored_wait: bool = False
     # With `anchored_wait`: how many of the step's first probabilities (in program order, column by column) the
     # anchor's count is computed from, so ptxas forms at least that many before it waits for dP^T (1: the first).
-    # FA4's causal step forms 16 of its 32 there.
+    # FA4's causal step forms 16 of its 32 there, its dense step 11 of 40. Our dense step (6 of 40 by default) with
+    # `stats_before_dp` and 16 here forms 19 (515 SASS instructions against 502; 491 with `ds_store_live` too; FA4's
+    # 463): not timed on the dense rows yet (BENCHMARKS.md, "Waiting for a GPU").
     anchor_exps: int = 1
     # The step's LSE2 rows are read from shared memory between the issues of the S^T and dP^T GEMMs (needs
     # `stats_in_smem`), as FA4 reads them, instead of after the S^T wait, where dP^T's operand reads already fill

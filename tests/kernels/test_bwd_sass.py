@@ -83,13 +83,16 @@ def test_anchored_wait_forms_p_beside_the_dp_gemm():
     assert all(1 <= before < total // 2 for before, total in anchored), anchored
 
 
-def test_anchor_exps_and_early_lse2_form_half_of_p_beside_the_dp_gemm():
+@pytest.mark.parametrize("kind,live", [("mask", False), ("dense", False), ("dense", True)])
+def test_anchor_exps_and_early_lse2_form_half_of_p_beside_the_dp_gemm(kind, live):
     """FA4's causal step reads its LSE2 rows between the S^T and dP^T issues and forms 16 of its 32 probabilities
-    before it waits for dP^T. `stats_before_dp` puts our LSE2 loads there, and `anchor_exps=16` ties the dP^T wait to
-    the first 16 probabilities, so at least those are formed beside that GEMM."""
-    deep = _dp_wait_positions(128, "mask", anchored_wait=True, anchor_exps=16, stats_before_dp=True)
+    before it waits for dP^T (its dense step 11 of 40; ours 6 without the option). `stats_before_dp` puts our LSE2
+    loads there, and `anchor_exps=16` ties the dP^T wait to the first 16 probabilities, so at least those are formed
+    beside that GEMM; in the dense step also with the dS store's address kept live (`ds_store_live`)."""
+    deep = _dp_wait_positions(128, kind, anchored_wait=True, anchor_exps=16, stats_before_dp=True,
+                              ds_store_live=live)
     assert all(16 <= before < total for before, total in deep), deep
-    for body in _loop_bodies(128, "mask", stats_before_dp=True):
+    for body in _loop_bodies(128, kind, stats_before_dp=True, ds_store_live=live):
         hgmma = [i for i, ins in enumerate(body) if ins.startswith("HGMMA")]
         lds = [i for i, ins in enumerate(body) if ins.startswith("LDS")]
         # S^T and dP^T take head_dim / 16 HGMMA each: the LSE2 loads (the step's first) come before dP^T's first
