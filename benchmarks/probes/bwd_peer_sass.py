@@ -9,9 +9,9 @@ flash-attn-4 compiles its kernels for sm_90a under torch's fake tensors when tol
 (FLASH_ATTENTION_ARCH, CUTE_DSL_ARCH, set here), so its main backward kernel's PTX can be assembled and disassembled
 like ours (`flexlab.viz.compile_report`). For each kernel this prints, per step loop (the loops that issue HGMMA and
 exponentials): instructions, HGMMA, MUFU.EX2, shared-memory loads, and how many exponentials come before the first
-full wgmma wait (the wait for dP: what runs beside that GEMM); then the opcodes whose counts differ between the loops. FA4 is a peer, never a dependency: it is imported
-from wherever it is installed (`pip install --target DIR --no-deps flash-attn-4 quack-kernels apache-tvm-ffi triton`
-and PYTHONPATH=DIR is enough).
+full wgmma wait (the wait for dP: what runs beside that GEMM); then the opcodes whose counts differ between the
+loops. FA4 is a peer, never a dependency: it is imported from wherever it is installed
+(`pip install --target DIR --no-deps flash-attn-4 quack-kernels apache-tvm-ffi triton` and PYTHONPATH=DIR is enough).
 """
 from __future__ import annotations
 
