@@ -5,6 +5,7 @@ Public names only. `import flexlab` never imports cutlass, plotly or ipywidgets;
 from __future__ import annotations
 
 from .api import BACKENDS, flex_attention
+from .call_options import AuxOutput, AuxRequest
 from .backends.torch_flex import reset_torch_backend
 from .errors import (BackendUnavailableError, FallbackWarning, FlexlabError, RecompileLimitError,
                      UnsupportedModError)
@@ -12,7 +13,7 @@ from .mask import BlockMask, and_masks, block_states, create_block_mask, create_
 
 __version__ = "0.1.0"
 
-__all__ = ["flex_attention", "create_block_mask", "create_mask", "block_states", "BlockMask", "and_masks",
+__all__ = ["flex_attention", "AuxRequest", "AuxOutput", "create_block_mask", "create_mask", "block_states", "BlockMask", "and_masks",
            "or_masks", "noop_mask", "BACKENDS", "reset_torch_backend", "FlexlabError", "UnsupportedModError",
            "BackendUnavailableError", "RecompileLimitError", "FallbackWarning", "Playground", "load_ipython_extension",
            "unload_ipython_extension"]

@@ -10,6 +10,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from . import _ops
 from ._bounded import put_bounded
 from .backends import cute  # torch only: cutlass loads when a kernel is first built
+from .call_options import call_result, check_call_options, warn_unread_kernel_options
 from .errors import BackendUnavailableError, FallbackWarning, FlexlabTypeError, FlexlabValueError
 from .mods import check_mask_mod, check_score_mod
 from .runtime.launch import kernel_takes_scale
@@ -148,14 +149,16 @@ def _cute_plan_static(device, dtype, head_dim, v_head_dim, score_mod, mask_mod, 
 
 
 def _choose_backend(backend, query, key, value, score_mod, block_mask, deterministic,
-                    scale=None) -> tuple[str, bool]:
+                    scale=None, want_max: bool = False) -> tuple[str, bool]:
     """(backend to run, whether the cute backend must run its differentiable path)."""
     if backend == "auto" and query.device.type != "cuda":
-        # torch's CPU flex_attention has no backward; the dense reference does
-        return ("reference" if _needs_grad(query, key, value, score_mod) else "torch"), False
+        # torch's CPU flex_attention has no backward and no max_scores; the dense reference has both
+        return ("reference" if want_max or _needs_grad(query, key, value, score_mod) else "torch"), False
     if backend not in ("auto", "cute"):
         return backend, False
-    if not kernel_takes_scale(scale):
+    if want_max:
+        reason, needs_grad = "return_aux asks for max_scores, which flexlab's kernels do not write", False
+    elif not kernel_takes_scale(scale):
         # the kernels' online softmax keeps each row's largest raw score, which a negative scale makes the smallest
         # scaled one (exponentials could overflow); at scale 0 a row's first rescale factor is exp2(-inf * 0) = NaN
         reason, needs_grad = f"scale={scale} is not a finite positive number; flexlab's kernels need scale > 0", False
@@ -170,13 +173,14 @@ def _choose_backend(backend, query, key, value, score_mod, block_mask, determini
             f"deterministic=True needs flexlab's backward kernel, which cannot run this call: {reason}")
     if not torch.compiler.is_compiling():  # (a slower path taken on a GPU is said, never silent)
         warnings.warn(f"backend='auto' runs torch's flex_attention for this call, not flexlab's kernels: {reason}",
-                      FallbackWarning, stacklevel=3)
+                      FallbackWarning, stacklevel=5)  # (flex_attention's caller, past _attention and _run)
     return "torch", False
 
 
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod=None,
                    block_mask: BlockMask | None = None, scale: float | None = None, enable_gqa: bool = False,
-                   return_lse: bool = False, *, backend: str = "auto", deterministic: bool | None = None):
+                   return_lse: bool = False, kernel_options: dict | None = None, *, return_aux=None,
+                   backend: str = "auto", deterministic: bool | None = None):
     r"""FlexAttention with torch's semantics and a choice of backends.
 
     Shapes: ``query (B, Hq, Sq, D)``, ``key (B, Hkv, Skv, D)``, ``value (B, Hkv, Skv, Dv)``; output
@@ -194,7 +198,13 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         block_mask: a ``BlockMask`` from ``flexlab.create_block_mask`` or torch's; its mask_mod masks pairs.
         scale: score scale, default ``1/sqrt(D)``.
         enable_gqa: allow ``Hq`` to be a multiple of ``Hkv`` (grouped-query attention).
-        return_lse: also return the log-sum-exp of each row.
+        return_lse: also return the log-sum-exp of each row (torch's older spelling of
+            ``return_aux=AuxRequest(lse=True)``).
+        kernel_options: knobs of torch's kernels, passed to them when the torch backend runs the call; flexlab's
+            kernels and the reference do not read them (a warning says so).
+        return_aux: an ``AuxRequest``: return ``(out, AuxOutput(lse, max_scores))``; ``max_scores`` is each row's
+            largest score after score_mod and masking (no gradient). flexlab's kernels write the LSE but not
+            ``max_scores``, which ``auto`` gets from torch's kernels (with a ``FallbackWarning``).
         backend: ``"reference"`` (dense fp32/fp64 math, any device), ``"torch"`` (torch's compiled
             flex_attention on CUDA, its own path on CPU), ``"cute"`` (flexlab's CuTeDSL kernels, Hopper), or
             ``"auto"`` (cute where it supports the call, forward and backward, else torch, with a
@@ -204,8 +214,20 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
     Fully masked rows give output 0 and LSE -inf.
     """
+    if return_aux is None and kernel_options is None:
+        return _attention(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, backend,
+                          deterministic)
+    options = check_call_options(return_lse, return_aux, kernel_options)
+    return call_result(_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, options.want_lse,
+                                  backend, deterministic, options.want_max, options.kernel_options), options)
+
+
+def _attention(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, backend, deterministic,
+               want_max: bool = False, kernel_options: dict | None = None):
+    """out, (out, lse) with `return_lse`, or (out, lse, max_scores) with `want_max`: from a warm entry where the
+    call repeats one (return_aux=AuxRequest(lse=...) alone is return_lse by another name), else from `_run`."""
     sig = None
-    if not torch.compiler.is_compiling():
+    if not (want_max or kernel_options or torch.compiler.is_compiling()):
         # warm path: a signature validated before and run forward-only by flexlab's kernel
         sig = _signature(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, backend)
         if sig is not None:
@@ -220,25 +242,47 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
                 result = train(query, key, value, scale, deterministic)
                 if result is not None:
                     return result if return_lse else result[0]
+    out, lse, max_scores = _run(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, backend,
+                                deterministic, sig, want_max=want_max, kernel_options=kernel_options)
+    if want_max:
+        return out, lse, max_scores
+    return (out, lse) if return_lse else out
+
+
+def _run(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, backend, deterministic, sig, *,
+         want_max: bool = False, kernel_options: dict | None = None):
+    """A call past the warm entries: validate, choose the backend, run it; (out, lse, max_scores or None). `sig`
+    (None under torch.compile, with max_scores or kernel_options) keys the warm entry a cute call leaves behind."""
     _validate(query, key, value, score_mod, block_mask, scale, enable_gqa, backend, return_lse, deterministic)
     if scale is not None:
         scale = float(scale)  # (a Fraction or numpy scalar passes as a real number; the backends take floats)
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    chosen, cute_grad = _choose_backend(backend, query, key, value, score_mod, block_mask, deterministic, scale)
+    chosen, cute_grad = _choose_backend(backend, query, key, value, score_mod, block_mask, deterministic, scale,
+                                        want_max)
+    max_scores = None
+    if chosen != "torch":
+        warn_unread_kernel_options(kernel_options, chosen)
     if chosen == "reference":
         from .backends.reference import reference_attention
         compute = torch.float64 if query.dtype == torch.float64 else torch.float32
-        out, lse = reference_attention(query, key, value, score_mod, block_mask, scale, enable_gqa, compute)
-        out = out.to(query.dtype)
-        lse = lse.to(torch.float64 if query.dtype == torch.float64 else torch.float32)
+        out, lse, *row_max = reference_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
+                                                 compute, with_max=want_max)
+        stats = torch.float64 if query.dtype == torch.float64 else torch.float32
+        out, lse = out.to(query.dtype), lse.to(stats)
+        max_scores = row_max[0].to(stats) if want_max else None
     elif chosen == "torch":
         if query.device.type != "cuda" and _needs_grad(query, key, value, score_mod):
             raise BackendUnavailableError(
                 "backend='torch' on CPU has no backward (torch's CPU flex_attention is forward-only); use "
                 "backend='reference' or 'auto' for gradients on CPU")
+        if query.device.type != "cuda" and want_max:
+            raise BackendUnavailableError(
+                "backend='torch' on CPU cannot return max_scores (torch's CPU flex_attention refuses it); use "
+                "backend='reference' or 'auto'")
         from .backends.torch_flex import torch_flex_attention
-        out, lse = torch_flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa)
+        out, lse, max_scores = torch_flex_attention(query, key, value, score_mod, block_mask, scale, enable_gqa,
+                                                    kernel_options=kernel_options, max_scores=want_max)
     else:
         if cute_grad or torch.compiler.is_compiling():
             # through the custom ops: autograd for the backward kernels, and one opaque node for torch.compile
@@ -260,4 +304,4 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
             else:  # `_choose_backend` has just lowered the mods (reading their captures) in this call
                 out, lse = cute.flex_attention_forward(query, key, value, score_mod, block_mask, scale, enable_gqa,
                                                        captures_checked=True, with_lse=return_lse)
-    return (out, lse) if return_lse else out
+    return out, lse, max_scores

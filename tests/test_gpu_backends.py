@@ -71,3 +71,28 @@ def test_many_variants_never_fall_back_silently(monkeypatch):
             assert rel_l2(out, reference(q, k, v, mod)[0]) < TOLERANCES[torch.bfloat16], i
     # torch warns when flex_attention runs outside torch.compile (its unfused path): never here
     assert not [w for w in caught if "without torch.compile" in str(w.message)], "a variant ran eagerly"
+
+
+def test_return_aux_on_the_gpu():
+    """`return_aux`: the LSE from flexlab's kernels under `auto`; max_scores from torch's (Triton) kernels, with the
+    FallbackWarning that says so, against the float64 truth, fully masked rows -inf."""
+    B, H, S, D = 1, 4, 1000, 64
+    score_mod, mask_mod = make_mods(B, H, S, S, device="cuda")["fully_masked_rows"]
+    bm = flexlab.create_block_mask(mask_mod, None, None, S, S, device="cuda")
+    q, k, v = random_qkv(B, H, S, S, D, torch.bfloat16, "cuda")
+    truth, truth_lse = reference(q, k, v, score_mod, bm)
+    _, truth_aux = flexlab.flex_attention(q.double(), k.double(), v.double(), score_mod, bm, backend="reference",
+                                          return_aux=flexlab.AuxRequest(max_scores=True))
+    alive = torch.isfinite(truth_lse)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", flexlab.FallbackWarning)  # the LSE alone stays on flexlab's kernels
+        out, aux = flexlab.flex_attention(q, k, v, score_mod, bm, return_aux=flexlab.AuxRequest(lse=True))
+    assert aux.max_scores is None and rel_l2(out, truth) < TOLERANCES[torch.bfloat16]
+    assert torch.equal(torch.isfinite(aux.lse), alive)
+    assert torch.allclose(aux.lse[alive].double(), truth_lse[alive], atol=2e-2, rtol=1e-3)
+    with pytest.warns(flexlab.FallbackWarning, match="max_scores"):
+        out, aux = flexlab.flex_attention(q, k, v, score_mod, bm,
+                                          return_aux=flexlab.AuxRequest(lse=True, max_scores=True))
+    assert rel_l2(out, truth) < TOLERANCES[torch.bfloat16]
+    assert torch.equal(torch.isfinite(aux.max_scores), alive)
+    assert torch.allclose(aux.max_scores[alive].double(), truth_aux.max_scores[alive], atol=2e-2, rtol=1e-2)

@@ -28,8 +28,9 @@ def _kept_pairs(block_mask: BlockMask, B: int, H: int, Sq: int, Skv: int, device
 
 def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, score_mod=None,
                         block_mask: BlockMask | None = None, scale: float | None = None, enable_gqa: bool = False,
-                        compute_dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (out in compute_dtype, lse in compute_dtype, natural log). Inputs are already validated."""
+                        compute_dtype: torch.dtype = torch.float64, with_max: bool = False):
+    """Returns (out, lse) in compute_dtype, lse in natural log; with `with_max` also each row's largest score after
+    score_mod and masking (-inf where all are masked; no gradient), torch's `max_scores`. Inputs are validated."""
     B, Hq, Sq, D = query.shape
     Hkv, Skv = key.shape[1], key.shape[2]
     scale = D ** -0.5 if scale is None else scale
@@ -50,4 +51,6 @@ def reference_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
     row_alive = (lse != float("-inf")).unsqueeze(-1)
     safe_lse = torch.where(row_alive, lse.unsqueeze(-1), torch.zeros_like(lse).unsqueeze(-1))
     probs = torch.where(row_alive, torch.exp(scores - safe_lse), torch.zeros_like(scores))
+    if with_max:
+        return probs @ v, lse, scores.detach().amax(dim=-1)
     return probs @ v, lse

@@ -84,8 +84,9 @@ def _guardable(score_mod, block_mask):
 
 
 def _unpack(result):
+    """(out, lse, max_scores or None) from torch's (out, AuxOutput)."""
     out, aux = result
-    return out, (aux.lse if hasattr(aux, "lse") else aux)
+    return out, aux.lse, aux.max_scores
 
 
 def _cpu_flex_attention(query, key, value, **kwargs):
@@ -101,13 +102,14 @@ def _cpu_flex_attention(query, key, value, **kwargs):
         torch_flex._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = previous
 
 
-def torch_flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False):
-    """Returns (out, lse) from torch's flex_attention (natural-log LSE, fp32)."""
-    kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
-    if hasattr(torch_flex, "AuxRequest"):
-        kwargs["return_aux"] = torch_flex.AuxRequest(lse=True)
-    else:
-        kwargs["return_lse"] = True
+def torch_flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
+                         kernel_options=None, max_scores=False):
+    """Returns (out, lse, max_scores) from torch's flex_attention (natural-log LSE, fp32; max_scores None unless
+    asked for). `kernel_options`: the caller's knobs for torch's kernels."""
+    kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+                  return_aux=torch_flex.AuxRequest(lse=True, max_scores=max_scores))
+    if kernel_options:
+        kwargs["kernel_options"] = kernel_options
     if query.device.type != "cuda":
         if not torch.is_grad_enabled():  # (torch's CPU path refuses inputs that require grad even under no_grad)
             query, key, value = query.detach(), key.detach(), value.detach()
@@ -124,8 +126,10 @@ def torch_flex_attention(query, key, value, score_mod=None, block_mask=None, sca
             except Exception as err:
                 if not _is_out_of_resources(err):
                     raise
+                if "kernel_options" in kwargs:  # (the caller's own tiles: theirs to change)
+                    raise
                 warnings.warn("backend='torch': torch's default Triton tiles for this mod need more shared memory "
-                              f"than the GPU has; retrying with kernel_options={SMALL_TILE_OPTIONS}", stacklevel=3)
+                              f"than the GPU has; retrying with kernel_options={SMALL_TILE_OPTIONS}", stacklevel=5)
                 return _unpack(_compiled_flex()(query, key, value, kernel_options=SMALL_TILE_OPTIONS, **kwargs))
     except Exception as err:  # dynamo wraps the limit error in several types across versions
         if _is_recompile_limit_error(err):
