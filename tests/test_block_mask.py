@@ -20,7 +20,8 @@ FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"
 
 def assert_same_block_mask(ours, theirs):
     for f in FIELDS:
-        assert torch.equal(getattr(ours, f), getattr(theirs, f)), f
+        a, b = getattr(ours, f), getattr(theirs, f)
+        assert (a is None and b is None) or torch.equal(a, b), f
     assert tuple(ours.BLOCK_SIZE) == tuple(theirs.BLOCK_SIZE)
     assert tuple(ours.seq_lengths) == tuple(theirs.seq_lengths)
 
@@ -38,6 +39,63 @@ def test_equals_torch(name, size, block):
     ours = flexlab.create_block_mask(mask_mod, B, H, Sq, Skv, BLOCK_SIZE=block)
     theirs = torch_create_block_mask(mask_mod, B, H, Sq, Skv, device="cpu", BLOCK_SIZE=block)
     assert_same_block_mask(ours, theirs)
+
+
+def test_takes_every_torch_argument_in_torchs_order():
+    """torch's create_block_mask calls run unchanged (the device default stays the CPU; None is torch's)."""
+    import inspect
+    ours = inspect.signature(flexlab.create_block_mask).parameters
+    theirs = inspect.signature(torch_create_block_mask).parameters
+    positional = [n for n, p in theirs.items() if p.kind == p.POSITIONAL_OR_KEYWORD]
+    assert [n for n, p in ours.items() if p.kind == p.POSITIONAL_OR_KEYWORD][:len(positional)] == positional
+    for name in positional:
+        if name != "device":
+            assert ours[name].default == theirs[name].default, name
+    built_on = flexlab.create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, 64, 64, None).kv_num_blocks.device
+    assert built_on.type == (torch.accelerator.current_accelerator() or torch.device("cpu")).type
+
+
+@pytest.mark.parametrize("name", ["causal", "document", "fully_masked_rows"])
+def test_without_separate_full_blocks_every_block_is_partial(name):
+    """separate_full_blocks=False: torch's lists with no full ones; flexlab's attention (the reference, run by the
+    block lists) still gives the same output, now with mask_mod on every block."""
+    import inspect
+    B, H, S = 2, 2, 300
+    mask_mod = make_mods(B, H, S, S)[name][1]
+    ours = flexlab.create_block_mask(mask_mod, B, H, S, S, BLOCK_SIZE=64, separate_full_blocks=False)
+    assert ours.full_kv_num_blocks is None and ours.full_q_num_blocks is None
+    separate = flexlab.create_block_mask(mask_mod, B, H, S, S, BLOCK_SIZE=64)
+    assert torch.equal(ours.kv_num_blocks, separate.kv_num_blocks + separate.full_kv_num_blocks)
+    if "separate_full_blocks" in inspect.signature(torch_create_block_mask).parameters:
+        theirs = torch_create_block_mask(mask_mod, B, H, S, S, device="cpu", BLOCK_SIZE=64,
+                                         separate_full_blocks=False)
+        assert_same_block_mask(ours, theirs)
+    q, k, v = (torch.randn(B, H, S, 16, dtype=torch.float64) for _ in range(3))
+    a = flexlab.flex_attention(q, k, v, block_mask=ours, backend="reference")
+    b = flexlab.flex_attention(q, k, v, block_mask=separate, backend="reference")
+    assert torch.allclose(a, b, atol=1e-12) and a.abs().sum() > 0
+
+
+def test_dq_write_order_is_torchs_where_torch_has_it():
+    from torch.nn.attention import flex_attention as torch_flex
+    causal = make_mods(1, 1, 512, 512)["causal"][1]
+    if not hasattr(torch_flex, "_compute_dq_write_order_from_block_mask"):
+        with pytest.raises(flexlab.BackendUnavailableError, match="compute_dq_write_order=True needs torch's"):
+            flexlab.create_block_mask(causal, 1, 1, 512, 512, compute_dq_write_order=True)
+        return
+    for order in (True, False):
+        ours = flexlab.create_block_mask(causal, 1, 1, 512, 512, compute_dq_write_order=True, dq_kv_order=order)
+        theirs = torch_create_block_mask(causal, 1, 1, 512, 512, device="cpu", compute_dq_write_order=True,
+                                         dq_kv_order=order)
+        assert torch.equal(ours.dq_write_order, theirs.dq_write_order)
+        assert torch.equal(ours.dq_write_order_full, theirs.dq_write_order_full)
+        assert ours.dq_kv_order_spt == theirs.dq_kv_order_spt == order
+
+
+@pytest.mark.parametrize("name", ["_compile", "separate_full_blocks", "compute_dq_write_order", "dq_kv_order"])
+def test_flags_are_checked_by_name(name):
+    with pytest.raises(TypeError, match=f"create_block_mask: {name} must be True or False"):
+        flexlab.create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, 64, 64, **{name: "yes"})
 
 
 def test_small_chunks_give_the_same_answer():

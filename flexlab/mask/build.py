@@ -77,16 +77,23 @@ def block_counts(mask_mod: MaskMod, B: int, H: int, Q_LEN: int, KV_LEN: int, q_b
 
 
 def create_block_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
-                      device="cpu", BLOCK_SIZE: int | tuple[int, int] = 128, *,
-                      chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> BlockMask:
+                      device="cpu", BLOCK_SIZE: int | tuple[int, int] = 128, _compile: bool = False,
+                      separate_full_blocks: bool = True, compute_dq_write_order: bool = False,
+                      dq_kv_order: bool = True, *, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> BlockMask:
     """Drop-in for torch's `create_block_mask`, built chunk by chunk (memory independent of Q_LEN × KV_LEN).
 
     Args:
         mask_mod: `mask_mod(b, h, q_idx, kv_idx) -> bool`; True keeps the pair.
         B, H: batch size and query heads the mask varies over; None (or 1) broadcasts over that dimension.
         Q_LEN, KV_LEN: sequence lengths.
-        device: where the block tensors live (and where the mask_mod is evaluated).
+        device: where the block tensors live (and where the mask_mod is evaluated); None: torch's default, the
+            current accelerator if there is one, else the CPU.
         BLOCK_SIZE: block size, or (q_block, kv_block).
+        _compile: accepted for torch's signature (torch deprecates it); the chunked build needs no compile.
+        separate_full_blocks: False lists every non-empty block as partial (no full lists), so kernels run
+            mask_mod on all of them.
+        compute_dq_write_order, dq_kv_order: torch's dQ write-order metadata for its FLASH backend's
+            deterministic backward, computed by torch where it has them; flexlab's kernels do not need them.
     Returns:
         torch.nn.attention.flex_attention.BlockMask, equal to torch's (kv/full_kv counts and indices, q-side
         transposes, BLOCK_SIZE, mask_mod, seq_lengths).
@@ -95,20 +102,51 @@ def create_block_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: in
         raise FlexlabTypeError("create_block_mask: mask_mod must be a callable (b, h, q_idx, kv_idx) -> bool Tensor, "
                                "got None (flexlab.noop_mask keeps every pair)")
     check_mask_mod(mask_mod)
+    for name, flag in (("_compile", _compile), ("separate_full_blocks", separate_full_blocks),
+                       ("compute_dq_write_order", compute_dq_write_order), ("dq_kv_order", dq_kv_order)):
+        if not isinstance(flag, bool):
+            raise FlexlabTypeError(f"create_block_mask: {name} must be True or False, got {flag!r}")
     B = 1 if B is None else B
     H = 1 if H is None else H
     q_block, kv_block = _block_sizes(BLOCK_SIZE)
     _check_lengths(B, H, Q_LEN, KV_LEN, (q_block, kv_block))
+    device = _default_device() if device is None else device
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise BackendUnavailableError(f"create_block_mask: device={device!r} but this torch has no CUDA device; "
                                       "build the mask with device='cpu'")
+    write_order = _dq_write_order_builder() if compute_dq_write_order else None
     counts = block_counts(mask_mod, B, H, Q_LEN, KV_LEN, q_block, kv_block, device, chunk_elements)
-    full = counts == q_block * kv_block
-    partial = (counts > 0) & ~full
+    if separate_full_blocks:
+        full = counts == q_block * kv_block
+        partial = (counts > 0) & ~full
+        full_num, full_idx = _ordered(full)
+    else:
+        partial, full_num, full_idx = counts > 0, None, None
     kv_num, kv_idx = _ordered(partial)
-    full_num, full_idx = _ordered(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(q_block, kv_block),
-                                    mask_mod=mask_mod, seq_lengths=(Q_LEN, KV_LEN))
+    block_mask = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(q_block, kv_block),
+                                          mask_mod=mask_mod, seq_lengths=(Q_LEN, KV_LEN))
+    if write_order is not None:  # (as torch's create_block_mask records them)
+        block_mask.dq_write_order, block_mask.dq_write_order_full = write_order(block_mask, dq_kv_order=dq_kv_order)
+        block_mask.dq_kv_order, block_mask.dq_kv_order_spt = None, dq_kv_order
+    return block_mask
+
+
+def _default_device():
+    """torch's default for create_block_mask's device: the current accelerator, else the CPU."""
+    accelerator = getattr(torch, "accelerator", None)
+    current = accelerator.current_accelerator() if accelerator is not None else None
+    return current if current is not None else torch.device("cpu")
+
+
+def _dq_write_order_builder():
+    """torch's builder of the dQ write-order metadata, or a clear error where this torch has none."""
+    from torch.nn.attention import flex_attention as torch_flex
+    builder = getattr(torch_flex, "_compute_dq_write_order_from_block_mask", None)
+    if builder is None:
+        raise BackendUnavailableError(
+            f"create_block_mask: compute_dq_write_order=True needs torch's dQ write-order metadata, which torch "
+            f"{torch.__version__} does not have; flexlab's own deterministic backward needs no such metadata")
+    return builder
 
 
 def create_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
