@@ -26,7 +26,7 @@ _MASK_ARGS = "(b, h, q_idx, kv_idx)"
 _ARITY: "weakref.WeakKeyDictionary[Callable, int | None]" = weakref.WeakKeyDictionary()
 
 
-def _positional_arity(fn: Callable) -> int | None:
+def positional_arity(fn: Callable) -> int | None:
     """Number of required positional parameters, None when it can't be told (C functions, *args), -1 with a
     required keyword-only parameter.
 
@@ -68,7 +68,7 @@ def _check_mod(fn, arg: str, n_args: int, signature: str, returns: str, other_hi
         return
     if not callable(fn):
         raise FlexlabTypeError(f"{arg} must be a callable {signature} -> {returns}, got {type(fn).__name__}")
-    n = _positional_arity(fn)
+    n = positional_arity(fn)
     if n == -1:
         raise FlexlabTypeError(f"{arg} {mod_name(fn)!r} has a keyword-only argument without a default; a "
                                f"{arg.split('.')[-1]} is called with {n_args} positional arguments: {signature}")

@@ -98,6 +98,18 @@ def test_flags_are_checked_by_name(name):
         flexlab.create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, 64, 64, **{name: "yes"})
 
 
+def test_create_mask_of_a_score_mod_is_torchs():
+    """torch's create_mask takes a score_mod too: the pairs it does not send to -inf."""
+    from torch.nn.attention.flex_attention import create_mask as torch_create_mask
+
+    def causal_drift(score, b, h, q_idx, kv_idx):
+        return torch.where(q_idx >= kv_idx + h, score + 0.1 * (q_idx - kv_idx), -float("inf"))
+
+    ours = flexlab.create_mask(causal_drift, 2, 3, 70, 90)
+    theirs = torch_create_mask(causal_drift, 2, 3, 70, 90, device="cpu")
+    assert ours.dtype == torch.bool and torch.equal(ours, theirs) and 0 < ours.sum() < ours.numel()
+
+
 def test_small_chunks_give_the_same_answer():
     mask_mod = make_mods(2, 3, 700, 900)["document"][1]
     a = flexlab.create_block_mask(mask_mod, 2, 3, 700, 900, BLOCK_SIZE=64, chunk_elements=5000)

@@ -11,7 +11,8 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from ..errors import BackendUnavailableError, FlexlabTypeError, FlexlabValueError, check_positive_int
-from ..mods import MaskMod, check_mask_mod, evaluate_mask_mod, index_grid
+from ..mods import (MaskMod, check_mask_mod, check_score_mod, evaluate_mask_mod, evaluate_score_mod, index_grid,
+                    positional_arity)
 
 # Elements of the index grid evaluated at once. A mask_mod's temporaries are int64 over the chunk, so this keeps a
 # chunk's working set to a few tens of MiB whatever the sequence length.
@@ -149,10 +150,16 @@ def _dq_write_order_builder():
     return builder
 
 
-def create_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
-                device="cpu") -> torch.Tensor:
-    """The dense (B, H, Q_LEN, KV_LEN) bool mask. For small sizes only (tests, pictures): it is S×S."""
-    check_mask_mod(mask_mod)
+def create_mask(mod_fn, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int, device="cpu") -> torch.Tensor:
+    """The dense (B, H, Q_LEN, KV_LEN) bool mask of a mask_mod, or of a score_mod (as torch's: the pairs where it
+    does not turn a zero score into -inf). For small sizes only (tests, pictures): it is S×S. device=None: torch's
+    default, the current accelerator if there is one."""
     B = 1 if B is None else B
     H = 1 if H is None else H
-    return evaluate_mask_mod(mask_mod, *index_grid(B, H, Q_LEN, KV_LEN, device))
+    device = _default_device() if device is None else device
+    if callable(mod_fn) and positional_arity(mod_fn) == 5:
+        check_score_mod(mod_fn, "create_mask: mod_fn")
+        grid = index_grid(B, H, Q_LEN, KV_LEN, device)
+        return ~torch.isneginf(evaluate_score_mod(mod_fn, torch.zeros(B, H, Q_LEN, KV_LEN, device=device), *grid))
+    check_mask_mod(mod_fn)
+    return evaluate_mask_mod(mod_fn, *index_grid(B, H, Q_LEN, KV_LEN, device))
