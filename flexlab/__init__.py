@@ -5,18 +5,18 @@ Public names only. `import flexlab` never imports cutlass, plotly or ipywidgets;
 from __future__ import annotations
 
 from .api import BACKENDS, flex_attention
-from .call_options import AuxOutput, AuxRequest
 from .backends.torch_flex import reset_torch_backend
+from .call_options import AuxOutput, AuxRequest
 from .errors import (BackendUnavailableError, FallbackWarning, FlexlabError, RecompileLimitError,
                      UnsupportedModError)
 from .mask import BlockMask, and_masks, block_states, create_block_mask, create_mask, noop_mask, or_masks
 
 __version__ = "0.1.0"
 
-__all__ = ["flex_attention", "AuxRequest", "AuxOutput", "create_block_mask", "create_mask", "block_states", "BlockMask", "and_masks",
-           "or_masks", "noop_mask", "BACKENDS", "reset_torch_backend", "FlexlabError", "UnsupportedModError",
-           "BackendUnavailableError", "RecompileLimitError", "FallbackWarning", "Playground", "load_ipython_extension",
-           "unload_ipython_extension"]
+__all__ = ["flex_attention", "AuxRequest", "AuxOutput", "create_block_mask", "create_mask", "block_states",
+           "BlockMask", "and_masks", "or_masks", "noop_mask", "BACKENDS", "reset_torch_backend", "FlexlabError",
+           "UnsupportedModError", "BackendUnavailableError", "RecompileLimitError", "FallbackWarning", "Playground",
+           "load_ipython_extension", "unload_ipython_extension"]
 
 
 def __getattr__(name):  # lazy: the widget pulls in ipywidgets/anywidget
