@@ -133,10 +133,12 @@ def create_block_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: in
 
 
 def _default_device():
-    """torch's default for create_block_mask's device: the current accelerator, else the CPU."""
+    """torch's default for create_block_mask's device: the current accelerator where one is available, else the
+    CPU (a CUDA build of torch on a machine without a GPU names CUDA as its accelerator all the same)."""
     accelerator = getattr(torch, "accelerator", None)
-    current = accelerator.current_accelerator() if accelerator is not None else None
-    return current if current is not None else torch.device("cpu")
+    if accelerator is not None and accelerator.is_available():
+        return accelerator.current_accelerator()
+    return torch.device("cpu")
 
 
 def _dq_write_order_builder():
