@@ -135,10 +135,7 @@ def create_block_mask(mask_mod: MaskMod, B: int | None, H: int | None, Q_LEN: in
 def _default_device():
     """torch's default for create_block_mask's device: the current accelerator where one is available, else the
     CPU (a CUDA build of torch on a machine without a GPU names CUDA as its accelerator all the same)."""
-    accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None and accelerator.is_available():
-        return accelerator.current_accelerator()
-    return torch.device("cpu")
+    return torch.accelerator.current_accelerator() if torch.accelerator.is_available() else torch.device("cpu")
 
 
 def _dq_write_order_builder():
